@@ -1,0 +1,1 @@
+"""prefixd.cache (see DESIGN.md)."""

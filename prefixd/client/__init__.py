@@ -1,0 +1,1 @@
+"""Client library (arrives with the daemon). Imports only prefixd.api and prefixd.kernels."""

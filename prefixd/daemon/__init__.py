@@ -1,0 +1,1 @@
+"""The daemon: gRPC servers on Unix sockets, sessions, tenants, metrics, the `prefixd` command."""

@@ -1,0 +1,1 @@
+"""prefixd.kernels (see DESIGN.md)."""

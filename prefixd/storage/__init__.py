@@ -1,0 +1,1 @@
+"""prefixd.storage (see DESIGN.md)."""

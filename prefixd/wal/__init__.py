@@ -1,0 +1,1 @@
+"""prefixd.wal (see DESIGN.md)."""
