@@ -1,0 +1,45 @@
+"""Named crash points for crash testing.
+
+``PREFIXD_CRASH="name:n[,name:n...]"`` makes the process ``os._exit(CRASH_EXIT_CODE)`` at the
+n-th pass (1-based) of ``crash_point(name)``. Unset (production), ``crash_point`` is one dict
+lookup on an empty dict. The variable is read once, at import.
+
+Known points (grep ``crash_point(`` for the full list): ``data_written``, ``data_synced``,
+``wal_before_commit``, ``wal_after_commit``, ``checkpoint_inside``, ``evict_inside``,
+``promote_inside``.
+"""
+
+from __future__ import annotations
+
+import os
+
+CRASH_EXIT_CODE = 77
+
+
+def _parse(spec: str) -> dict[str, int]:
+    points: dict[str, int] = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, n = item.partition(":")
+        points[name] = int(n or 1)
+    return points
+
+
+_armed = _parse(os.environ.get("PREFIXD_CRASH", ""))
+_passes: dict[str, int] = {}
+
+
+def crash_point(name: str) -> None:
+    """Die here, without cleanup, if this point is armed and this is its n-th pass."""
+    if not _armed or name not in _armed:
+        return
+    count = _passes.get(name, 0) + 1
+    _passes[name] = count
+    if count == _armed[name]:
+        os._exit(CRASH_EXIT_CODE)
+
+
+def arm(spec: str) -> None:
+    """Re-arm from a spec string (tests in a child process call this instead of the env)."""
+    global _armed
+    _armed = _parse(spec)
+    _passes.clear()
