@@ -1,0 +1,43 @@
+"""Errors raised by the storage tiers, each carrying what a person needs to act on it."""
+
+from __future__ import annotations
+
+
+class StorageError(Exception):
+    """Base class: something about a pool's memory or files is wrong."""
+
+
+class SpaceError(StorageError):
+    """A pool could not be allocated: too little space where its file lives.
+
+    Attributes:
+        path: the file that was being allocated.
+        needed_bytes: how many bytes the pool asked for.
+        free_bytes: how many bytes the filesystem said were free (``None`` if unknown).
+    """
+
+    def __init__(self, path: str, needed_bytes: int, free_bytes: int | None, detail: str = "") -> None:
+        self.path = path
+        self.needed_bytes = needed_bytes
+        self.free_bytes = free_bytes
+        free = "unknown" if free_bytes is None else f"{free_bytes} bytes ({_mib(free_bytes)})"
+        msg = (
+            f"cannot allocate pool file {path}: asked for {needed_bytes} bytes "
+            f"({_mib(needed_bytes)}), free on its filesystem: {free}"
+        )
+        if detail:
+            msg += f" ({detail})"
+        msg += "; lower the tier's num_blocks or free space there"
+        super().__init__(msg)
+
+
+class HeaderMismatchError(StorageError):
+    """An existing pool file belongs to another format version, layout, tier or file id.
+
+    Opening it would serve one model's KV to another, so it is refused. The message names the
+    field, what was expected and what the file holds.
+    """
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"

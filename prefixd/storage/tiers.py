@@ -1,0 +1,306 @@
+"""The storage facade the cache core calls: three tiers of one KV layout and the bytes between them.
+
+API (slots are lists of ints, one per block; positions in the lists pair source and destination)::
+
+    store = TierStore(layout, {Tier.DEVICE: n0, Tier.HOST: n1, Tier.DISK: n2},
+                      state_dir=..., shm_dir="/dev/shm", name=None, fresh=False, file_ids=None)
+    store.tiers                                  # the present tiers (a tier with 0 blocks is absent)
+    store.allocator(tier) -> SlotAllocator       # owned by the cache core; storage never allocates
+    store.file_ids -> dict[Tier, bytes]          # persist these; pass them back as file_ids= on reopen
+    store.descriptor(tier) -> dict               # shm path, offset, shape, strides, dtype (Attach)
+    store.copy(src_tier, src_slots, dst_tier, dst_slots, *, verify=None, durable=False) -> CopyResult
+    store.copy_async(...same...) -> Future[CopyResult]
+    store.copy_within(tier, src_slots, dst_slots) -> None        # copy-on-write inside one tier
+    store.sync(tier) -> None                     # DISK: fdatasync if anything was written; else no-op
+    store.read(tier, slots) -> Tensor            # [n, *layout.block_shape], a copy (DISK: unchecked)
+    store.write(tier, slots, blocks) -> None     # blocks: [n, *layout.block_shape] of layout dtype
+    store.checksum(tier, slots) -> list[int]
+    store.verify(tier, slots, checksums) -> list[bool]
+    store.close()
+
+``CopyResult.checksums`` holds the checksum of every block written to HOST or DISK, or read from
+DISK; ``CopyResult.ok`` the per-block verdict when ``verify`` (expected checksums) was given for a
+DISK source: a block with ``ok=False`` was not written to the destination and must be dropped.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Mapping, Sequence
+
+import torch
+
+from prefixd.api.layout import KVLayout
+from prefixd.faults import crash_point
+from prefixd.storage import checksum, movement
+from prefixd.storage.movement import CopyResult, Staging
+from prefixd.storage.pools import DiskPool, TensorPool
+from prefixd.storage.slots import SlotAllocator
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CopyResult", "Tier", "TierStore"]
+
+
+class Tier(enum.IntEnum):
+    DEVICE = 0
+    HOST = 1
+    DISK = 2
+
+
+class TierStore:
+    """The pools of one KV layout, one per present tier, with their slot allocators.
+
+    Data structure: ``_pools[tier]`` is a ``TensorPool`` (DEVICE, HOST) or a ``DiskPool`` (DISK);
+    ``_allocators[tier]`` counts its free slots. Files: DISK in ``state_dir/<name>.disk.pool``;
+    HOST, and DEVICE when there is no GPU, in ``shm_dir/<name>.<tier>.pool``.
+
+    Invariants: every present tier has a pool and an allocator of the same size; absent tiers
+    have neither.
+
+    Thread safety: ``copy``/``copy_within``/``read``/``write``/``checksum`` may run on several
+    threads at once provided no two touch the same slot; reads from DISK share one staging
+    buffer and run one at a time. The allocators are not locked: the cache core owns them.
+    Calls block until their bytes have moved; ``copy_async`` runs a copy on the store's own
+    worker thread (FIFO) so an event loop never waits on disk.
+
+    NOTE: reopening is the default (the daemon restarts and recovers from the files);
+    ``fresh=True`` is the one way to start empty, and it replaces every pool file of this name.
+    """
+
+    def __init__(self, layout: KVLayout, num_blocks: Mapping[Tier, int], *, state_dir: str,
+                 shm_dir: str = "/dev/shm", name: str | None = None, fresh: bool = False,
+                 file_ids: Mapping[Tier, bytes] | None = None, use_cuda: bool | None = None) -> None:
+        """Open (or create) the pools.
+
+        Args:
+            num_blocks: blocks per tier; a tier missing or with 0 blocks is absent.
+            state_dir: where the DISK pool file lives. shm_dir: where the HOST (and CPU DEVICE) files live.
+            name: file name stem, unique per pool on this host (default: from the layout digest).
+            fresh: replace existing pool files instead of reopening them.
+            file_ids: the ids the caller persisted for existing files; a mismatch is refused.
+            use_cuda: put DEVICE on the GPU (default: when CUDA is available).
+        Raises:
+            SpaceError: a tier does not fit (message has the asked and free bytes).
+            HeaderMismatchError: an existing file belongs to another layout, version or file id.
+        """
+        self.layout = layout
+        self.name = name or f"prefixd-{layout.digest().hex()[:16]}"
+        cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
+        file_ids = file_ids or {}
+        self._pools: dict[Tier, TensorPool | DiskPool] = {}
+        self._allocators: dict[Tier, SlotAllocator] = {}
+        try:
+            for tier in Tier:
+                n = int(num_blocks.get(tier, 0))
+                if n < 0:
+                    raise ValueError(f"num_blocks[{tier.name}] must be >= 0, got {n}")
+                if n == 0:
+                    continue
+                fid = file_ids.get(tier)
+                if tier is Tier.DISK:
+                    pool = DiskPool(layout, tier, n, path=os.path.join(state_dir, f"{self.name}.disk.pool"),
+                                    fresh=fresh, file_id=fid)
+                elif tier is Tier.DEVICE and cuda:  # pragma: no cover - needs a GPU
+                    pool = TensorPool(layout, tier, n, path=None)
+                else:
+                    path = os.path.join(shm_dir, f"{self.name}.{tier.name.lower()}.pool")
+                    pool = TensorPool(layout, tier, n, path=path, fresh=fresh, file_id=fid,
+                                      pin=tier is Tier.HOST and cuda)
+                self._pools[tier] = pool
+                self._allocators[tier] = SlotAllocator(n)
+        except BaseException:
+            self._close_pools()
+            raise
+        self._helper = ThreadPoolExecutor(2, thread_name_prefix="prefixd-storage-io")
+        self._async = ThreadPoolExecutor(1, thread_name_prefix="prefixd-storage-async")
+        self._staging = Staging(layout.block_bytes, pin=cuda) if Tier.DISK in self._pools else None
+        log.info("tier store open name=%s blocks=%s block_bytes=%d", self.name,
+                 {t.name: p.num_blocks for t, p in self._pools.items()}, layout.block_bytes)
+
+    # ----------------------------------------------------------------------------- queries
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        return tuple(self._pools)
+
+    def allocator(self, tier: Tier) -> SlotAllocator:
+        return self._allocators[self._present(tier)]
+
+    def pool(self, tier: Tier) -> TensorPool | DiskPool:
+        return self._pools[self._present(tier)]
+
+    @property
+    def file_ids(self) -> dict[Tier, bytes]:
+        return {t: p.file_id for t, p in self._pools.items() if p.file_id is not None}
+
+    def descriptor(self, tier: Tier) -> dict:
+        pool = self.pool(tier)
+        if isinstance(pool, DiskPool):
+            raise ValueError("the DISK tier is not mapped by clients; only DEVICE and HOST have descriptors")
+        return pool.descriptor()
+
+    # ----------------------------------------------------------------------------- movement
+    def copy(self, src_tier: Tier, src_slots: Sequence[int], dst_tier: Tier, dst_slots: Sequence[int], *,
+             verify: Sequence[int] | None = None, durable: bool = False) -> CopyResult:
+        """Copy blocks ``src_slots`` of one tier into ``dst_slots`` of another, as one batch.
+
+        Args:
+            verify: expected checksums, one per block, when the source is DISK; a block that
+                does not match is reported ``ok=False`` and its bytes are not written.
+            durable: when the destination is DISK, fdatasync before returning.
+        Returns:
+            CopyResult (see the module docstring).
+        Raises:
+            ValueError: unequal lengths, slots out of range, ``verify`` with a non-DISK source.
+            StorageError: an I/O error, naming the file and offset.
+        """
+        src_slots, dst_slots = list(src_slots), list(dst_slots)
+        src, dst = self.pool(src_tier), self.pool(dst_tier)
+        self._check_slots(src_tier, src_slots, dst_tier, dst_slots)
+        if verify is not None and src_tier is not Tier.DISK:
+            raise ValueError("verify= is for copies from DISK; memory tiers are not re-checked")
+        if not src_slots:
+            return CopyResult([] if dst_tier is not Tier.DEVICE else None, [] if verify is not None else None)
+        if isinstance(src, DiskPool):
+            target = dst if isinstance(dst, DiskPool) else dst.raw
+            result = movement.read_from_disk(src, src_slots, target, dst_slots, verify, self._staging, self._helper)
+        elif isinstance(dst, DiskPool):
+            result = movement.write_to_disk(self._host_rows(src, src_slots), self._row_slots(src, src_slots),
+                                            dst, dst_slots, self._helper)
+        else:
+            result = movement.copy_tensors(src, src_slots, dst, dst_slots, self._helper,
+                                           want_checksums=dst_tier is not Tier.DEVICE)
+        if durable and dst_tier is Tier.DISK:
+            self.sync(Tier.DISK)
+        return result
+
+    def copy_async(self, src_tier: Tier, src_slots: Sequence[int], dst_tier: Tier, dst_slots: Sequence[int], *,
+                   verify: Sequence[int] | None = None, durable: bool = False) -> Future:
+        """``copy`` on the store's worker thread; copies run in submission order."""
+        return self._async.submit(self.copy, src_tier, list(src_slots), dst_tier, list(dst_slots),
+                                  verify=verify, durable=durable)
+
+    def copy_within(self, tier: Tier, src_slots: Sequence[int], dst_slots: Sequence[int]) -> None:
+        """Copy blocks inside one tier (copy-on-write). Source and destination slots must be disjoint.
+
+        Raises:
+            ValueError: overlapping or out-of-range slots.
+        """
+        if set(src_slots) & set(dst_slots):
+            raise ValueError("copy_within: source and destination slots overlap")
+        pool = self.pool(tier)
+        if isinstance(pool, DiskPool):
+            self.copy(tier, src_slots, tier, dst_slots)
+            return
+        self._check_slots(tier, list(src_slots), tier, list(dst_slots))
+        movement.copy_rows(pool.tensor, list(src_slots), pool.tensor, list(dst_slots))
+
+    def sync(self, tier: Tier) -> None:
+        """Make written bytes durable: one fdatasync for DISK; nothing for shm or CUDA tiers."""
+        pool = self.pool(tier)
+        if isinstance(pool, DiskPool) and pool.sync():
+            crash_point("data_synced")
+
+    # ----------------------------------------------------------------------------- bytes in/out
+    def read(self, tier: Tier, slots: Sequence[int]) -> torch.Tensor:
+        """A copy of the blocks, ``[n, *layout.block_shape]``. DISK bytes are returned unchecked."""
+        slots = list(slots)
+        self._check_range(tier, slots)
+        pool = self.pool(tier)
+        if isinstance(pool, DiskPool):
+            out = torch.empty(len(slots), self.layout.block_bytes, dtype=torch.uint8)
+            movement.read_from_disk(pool, slots, out, list(range(len(slots))), None, self._staging, self._helper)
+            return out.view(self.layout.torch_dtype()).view(self.layout.pool_shape(len(slots)))
+        return pool.tensor.index_select(0, torch.tensor(slots, dtype=torch.long, device=pool.tensor.device))
+
+    def write(self, tier: Tier, slots: Sequence[int], blocks: torch.Tensor) -> None:
+        """Overwrite the blocks at ``slots`` with ``blocks`` (``[n, *layout.block_shape]``).
+
+        Raises:
+            ValueError: wrong shape or dtype, slots out of range.
+        """
+        slots = list(slots)
+        self._check_range(tier, slots)
+        want = self.layout.pool_shape(len(slots))
+        if tuple(blocks.shape) != want or blocks.dtype != self.layout.torch_dtype():
+            raise ValueError(f"write expects {want} of {self.layout.dtype}, got {tuple(blocks.shape)} {blocks.dtype}")
+        pool = self.pool(tier)
+        if isinstance(pool, DiskPool):
+            rows = blocks.contiguous().cpu().view(len(slots), -1).view(torch.uint8).numpy()
+            movement.write_to_disk(rows, list(range(len(slots))), pool, slots, self._helper)
+        else:
+            src = blocks.to(pool.tensor.device).contiguous()
+            movement.copy_rows(src, list(range(len(slots))), pool.tensor, slots)
+
+    def checksum(self, tier: Tier, slots: Sequence[int]) -> list[int]:
+        """Checksums of the blocks' current bytes (for DISK, as read from the file)."""
+        slots = list(slots)
+        self._check_range(tier, slots)
+        pool = self.pool(tier)
+        if isinstance(pool, DiskPool):
+            return movement.read_from_disk(pool, slots, None, slots, None, self._staging, self._helper).checksums
+        rows = self._host_rows(pool, slots)
+        return checksum.checksum_rows(rows, self._row_slots(pool, slots))
+
+    def verify(self, tier: Tier, slots: Sequence[int], checksums: Sequence[int]) -> list[bool]:
+        """Per-block: do the blocks' current bytes match ``checksums``?"""
+        return checksum.compare(self.checksum(tier, slots), checksums)
+
+    # ----------------------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        """Stop the workers and release files and mappings; bytes stay in the files. Idempotent."""
+        if getattr(self, "_helper", None) is not None:
+            self._async.shutdown(wait=True)
+            self._helper.shutdown(wait=True)
+            self._helper = None
+        self._close_pools()
+
+    def __enter__(self) -> "TierStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def check_invariants(self) -> None:
+        assert set(self._pools) == set(self._allocators)
+        for tier, pool in self._pools.items():
+            alloc = self._allocators[tier]
+            assert alloc.num_slots == pool.num_blocks, f"{tier.name}: allocator and pool sizes differ"
+            alloc.check_invariants()
+            pool.check_invariants()
+
+    # ----------------------------------------------------------------------------- helpers
+    def _present(self, tier: Tier) -> Tier:
+        tier = Tier(tier)
+        if tier not in self._pools:
+            raise ValueError(f"tier {tier.name} is absent from pool {self.name} (configured with 0 blocks)")
+        return tier
+
+    def _check_range(self, tier: Tier, slots: Sequence[int]) -> None:
+        n = self.pool(tier).num_blocks
+        if slots and (min(slots) < 0 or max(slots) >= n):
+            raise ValueError(f"{Tier(tier).name} slots must be in [0, {n}), got {min(slots)}..{max(slots)}")
+
+    def _check_slots(self, src_tier: Tier, src_slots: list, dst_tier: Tier, dst_slots: list) -> None:
+        if len(src_slots) != len(dst_slots):
+            raise ValueError(f"copy needs as many destination slots as source slots: {len(src_slots)} != {len(dst_slots)}")
+        self._check_range(src_tier, src_slots)
+        self._check_range(dst_tier, dst_slots)
+
+    @staticmethod
+    def _host_rows(pool: TensorPool, slots: list):
+        if pool.rows is not None:
+            return pool.rows
+        idx = torch.tensor(slots, dtype=torch.long, device=pool.tensor.device)  # pragma: no cover - GPU
+        return pool.raw.index_select(0, idx).cpu().numpy()  # pragma: no cover - GPU
+
+    @staticmethod
+    def _row_slots(pool: TensorPool, slots: list) -> list[int]:
+        return slots if pool.rows is not None else list(range(len(slots)))
+
+    def _close_pools(self) -> None:
+        for pool in getattr(self, "_pools", {}).values():
+            pool.close()
