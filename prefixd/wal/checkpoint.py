@@ -1,0 +1,127 @@
+"""Checkpoint storage: ``index``/``seqs`` as chunked, checksummed values, plus log truncation.
+
+A checkpoint is the caller's state at some lsn L, given as two maps of opaque byte strings
+(``index`` and ``seqs``; the cache defines their contents, typically a handful of columnar numpy
+buffers of up to hundreds of MB). Writing one replaces the previous one wholly, sets
+``meta.checkpoint_lsn = L`` and deletes every log record with lsn <= L, all in the caller's single
+write transaction, so a crash leaves either the old checkpoint with its log or the new one.
+
+Stored layout, per user key K (1..507 bytes) and value V::
+
+    key   K || chunk number (u32 big-endian)        for chunk 0 .. ceil(len(V) / CHUNK_SIZE) - 1
+    value xxh3-64(chunk) (u64 little-endian) || chunk bytes
+
+An empty V is one empty chunk. The fixed-width suffix makes the split unambiguous; chunks of one
+key come back in order (though another key may sort between them, so readers group by K).
+
+NOTE: why chunk at all: LMDB stores a value larger than a page in *contiguous* overflow pages; a
+100 MB value needs a 25,600-page contiguous run, which the free list rarely has after a few
+checkpoints, so every checkpoint would grow the file. 1 MiB chunks reuse freed pages.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import lmdb
+import xxhash
+
+from prefixd.wal.codec import pack_key, unpack_key
+from prefixd.wal.env import WalEnv
+from prefixd.wal.errors import WalCorruptError
+from prefixd.wal.meta import K_CHECKPOINT, get_u64, put_u64
+
+CHUNK_SIZE = 1 << 20
+_SUFFIX = struct.Struct(">I")
+_HASH = struct.Struct("<Q")
+MAX_USER_KEY = 511 - _SUFFIX.size  # LMDB's default max key size is 511 bytes
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+def _chunk_rows(items: dict[bytes, bytes]) -> list[tuple[bytes, bytes]]:
+    rows = []
+    for key, value in items.items():
+        if not isinstance(key, bytes) or not 0 < len(key) <= MAX_USER_KEY:
+            raise ValueError(f"checkpoint keys must be 1..{MAX_USER_KEY} bytes, got {key!r:.60}")
+        view = memoryview(value)
+        if view.ndim != 1 or view.itemsize != 1:
+            view = view.cast("B")
+        size = view.nbytes
+        for number, start in enumerate(range(0, max(size, 1), CHUNK_SIZE)):
+            chunk = view[start : start + CHUNK_SIZE]
+            rows.append((key + _SUFFIX.pack(number), _HASH.pack(_xxh3(chunk)) + chunk))
+    rows.sort(key=lambda row: row[0])
+    return rows
+
+
+def write_checkpoint(txn: lmdb.Transaction, wenv: WalEnv, lsn: int,
+                     index: dict[bytes, bytes], seqs: dict[bytes, bytes]) -> int:
+    """Replace the checkpoint and fold the log up to ``lsn``, inside the caller's write txn.
+
+    Args:
+        txn: an open write transaction (committed by the caller).
+        wenv: the environment (for the database handles).
+        lsn: the lsn the checkpoint folds; must be >= the saved checkpoint lsn.
+        index, seqs: the checkpoint maps (values: any contiguous buffer).
+
+    Returns:
+        How many log records were deleted.
+
+    Raises:
+        ValueError: bad keys, or ``lsn`` below the saved checkpoint lsn.
+    """
+    saved = get_u64(txn, wenv.meta, K_CHECKPOINT)
+    if lsn < saved:
+        raise ValueError(f"checkpoint lsn {lsn} is below the saved checkpoint lsn {saved}")
+    for db, items in ((wenv.index, index), (wenv.seqs, seqs)):
+        rows = _chunk_rows(items)
+        txn.drop(db, delete=False)
+        consumed, added = txn.cursor(db=db).putmulti(rows, append=True)
+        if added != len(rows):
+            raise lmdb.Error(f"checkpoint put {added} of {len(rows)} chunks")
+    put_u64(txn, wenv.meta, K_CHECKPOINT, lsn)
+    return _truncate_log(txn, wenv, lsn)
+
+
+def _truncate_log(txn: lmdb.Transaction, wenv: WalEnv, lsn: int) -> int:
+    cursor = txn.cursor(db=wenv.log)
+    if not cursor.last():
+        return 0
+    if unpack_key(cursor.key()) <= lsn:  # fast path: the whole log is folded
+        count = txn.stat(wenv.log)["entries"]
+        txn.drop(wenv.log, delete=False)
+        return count
+    end = pack_key(lsn)
+    count = 0
+    cursor.first()
+    while cursor.key() <= end:  # big-endian keys: byte order is lsn order
+        cursor.delete()  # moves to the next record
+        count += 1
+    return count
+
+
+def read_checkpoint(txn: lmdb.Transaction, wenv: WalEnv) -> tuple[int, dict[bytes, bytes], dict[bytes, bytes]]:
+    """Read the checkpoint: ``(checkpoint_lsn, index, seqs)``; ``(0, {}, {})`` if none was written.
+
+    Raises:
+        WalCorruptError: a chunk fails its checksum or a chunk number is missing (lsn = the
+            checkpoint lsn).
+    """
+    lsn = get_u64(txn, wenv.meta, K_CHECKPOINT)
+    maps = []
+    for db in (wenv.index, wenv.seqs):
+        parts: dict[bytes, list[bytes]] = {}
+        for key, value in txn.cursor(db=db):
+            if len(key) <= _SUFFIX.size or len(value) < _HASH.size:
+                raise WalCorruptError(lsn, f"checkpoint entry {bytes(key)[:40]!r} is too short", wenv.state_dir)
+            user = bytes(key[: -_SUFFIX.size])
+            (number,) = _SUFFIX.unpack_from(key, len(key) - _SUFFIX.size)
+            chunk = value[_HASH.size :]
+            if _HASH.unpack_from(value)[0] != _xxh3(chunk):
+                raise WalCorruptError(lsn, f"checkpoint key {user[:40]!r} chunk {number}: checksum mismatch", wenv.state_dir)
+            chunks = parts.setdefault(user, [])
+            if number != len(chunks):
+                raise WalCorruptError(lsn, f"checkpoint key {user[:40]!r}: chunk {number} follows {len(chunks)} chunks", wenv.state_dir)
+            chunks.append(bytes(chunk))
+        maps.append({k: c[0] if len(c) == 1 else b"".join(c) for k, c in parts.items()})
+    return lsn, maps[0], maps[1]

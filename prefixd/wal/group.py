@@ -1,0 +1,368 @@
+"""Group commit: appenders buffer records; one committer thread owns every LMDB write txn.
+
+Structure::
+
+    append() --(lock: lsn, key, pending list)--> pending group
+    flush()  --> the pending group's shared Future (or the in-flight group's, or a done one)
+    committer thread: take the whole pending group + queued jobs under the lock, then outside it:
+        one write txn (cursor.putmulti(append=True)) -> durable per sync -> resolve the Future
+        jobs (checkpoint, sync-now) run after the group they were queued behind
+
+Invariants (under ``_cv``):
+
+- lsns are assigned in append order, so ``pending`` keys ascend and are all > ``committed_lsn``;
+  ``durable_lsn <= committed_lsn < next_lsn`` and ``pending`` holds exactly
+  ``committed_lsn + 1 + (in-flight group) .. next_lsn - 1``.
+- A Future resolves with lsn L only when every record <= L is durable per the sync policy.
+- Once ``failure`` is set it never clears: every open and future ticket fails with
+  :class:`WalFailedError`, ``append`` raises it, and the committer has exited.
+
+NOTE: why one thread owns the writes: LMDB allows one write txn at a time per environment and the
+txn must be committed by the thread that began it; a dedicated committer lets appends continue
+while a commit (two fdatasyncs, GIL released) is in flight, which is exactly what makes groups.
+
+NOTE: Future callbacks run on the committer thread. They must not block on this Wal;
+``checkpoint``/``commit_now`` called from that thread run inline instead of queueing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from typing import Callable, NamedTuple
+
+from prefixd.faults import crash_point
+from prefixd.wal.codec import encode, pack_key
+from prefixd.wal.env import WalEnv
+from prefixd.wal.errors import WalClosedError, WalError, WalFailedError
+
+log = logging.getLogger(__name__)
+
+SYNC_POLICIES = ("commit", "interval", "none")
+READER_CHECK_GROUPS = 4096
+READER_CHECK_S = 60.0
+
+
+class WalStats(NamedTuple):
+    """Counters for metrics (``prefixd_wal_*``). Times in seconds."""
+
+    groups_committed: int
+    records_committed: int
+    last_group_size: int
+    last_commit_s: float
+    total_commit_s: float
+    max_commit_s: float
+    syncs: int
+    checkpoints: int
+    map_grows: int
+    next_lsn: int
+    committed_lsn: int
+    durable_lsn: int
+
+
+class _Taken(NamedTuple):
+    """What the committer took under the lock for one step."""
+
+    group: list[tuple[bytes, bytes]]
+    future: Future | None
+    last_lsn: int
+    jobs: list[tuple[Callable[[], object], Future]]
+    closing: bool
+
+
+def _done(value: int) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+def _failed(exc: BaseException) -> Future:
+    fut: Future = Future()
+    fut.set_exception(exc)
+    return fut
+
+
+class GroupCommitter:
+    """The pending group, the tickets waiting on it, and the thread that commits it."""
+
+    def __init__(self, wenv: WalEnv, *, sync: str, next_lsn: int, interval_s: float,
+                 max_delay_s: float, max_group_records: int) -> None:
+        if sync not in SYNC_POLICIES:
+            raise ValueError(f"sync must be one of {SYNC_POLICIES}, got {sync!r}")
+        self._wenv = wenv
+        self._sync = sync
+        self._interval_s = interval_s
+        self._max_delay_s = max_delay_s
+        self._max_group = max_group_records
+        self._cv = threading.Condition(threading.Lock())
+        # --- guarded by _cv ---
+        self._pending: list[tuple[bytes, bytes]] = []
+        self._pending_future: Future | None = None  # shared by every flush() of the pending group
+        self._first_append_t = 0.0
+        self._flush_wanted = False
+        self._next_lsn = next_lsn
+        self._committed_lsn = next_lsn - 1
+        self._durable_lsn = next_lsn - 1
+        self._tail_future: Future | None = None  # latest taken group, until it is durable
+        self._unsynced: list[Future] = []  # interval: committed groups awaiting the next fsync
+        self._jobs: list[tuple[Callable[[], object], Future]] = []
+        self._failure: WalFailedError | None = None
+        self._closing = False
+        self._idle = False
+        # --- committer thread only ---
+        self._last_sync_t = 0.0
+        self._last_reader_check_t = time.monotonic()
+        self._groups_since_reader_check = 0
+        self._n_groups = self._n_records = self._last_size = self._n_syncs = self._n_checkpoints = 0
+        self._last_s = self._total_s = self._max_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="prefixd-wal-committer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # --- producer side ----------------------------------------------------------------------------
+
+    def append(self, kind: int, fields: tuple, blob: bytes) -> int:
+        """Buffer one record; see ``Wal.append``."""
+        self._wenv.check_usable()
+        value = encode(kind, fields, blob)
+        with self._cv:
+            if self._failure is not None:
+                raise self._failure
+            if self._closing:
+                raise WalClosedError(f"write-ahead log {self._wenv.state_dir} is closed")
+            lsn = self._next_lsn
+            self._next_lsn = lsn + 1
+            pending = self._pending
+            pending.append((pack_key(lsn), value))
+            if len(pending) == 1:
+                self._first_append_t = time.monotonic()
+                if self._idle:
+                    self._cv.notify()
+            elif len(pending) >= self._max_group:
+                self._cv.notify()
+        return lsn
+
+    def flush(self) -> Future:
+        """A ticket for everything appended so far; see ``Wal.flush``."""
+        self._wenv.check_usable()
+        with self._cv:
+            if self._failure is not None:
+                return _failed(self._failure)
+            if self._pending:
+                fut = self._pending_future
+                if fut is None:
+                    fut = self._pending_future = Future()
+                if not self._flush_wanted:
+                    self._flush_wanted = True
+                    self._cv.notify()
+                return fut
+            if self._tail_future is not None:
+                return self._tail_future
+            return _done(self._durable_lsn)
+
+    def submit(self, job: Callable[[], object]) -> Future:
+        """Run ``job()`` on the committer after the pending group; its result resolves the Future.
+        From the committer thread itself the job runs inline (queueing would deadlock)."""
+        self._wenv.check_usable()
+        if threading.current_thread() is self._thread:
+            return self._run_inline(job)
+        fut: Future = Future()
+        with self._cv:
+            if self._failure is not None:
+                return _failed(self._failure)
+            if self._closing:
+                raise WalClosedError(f"write-ahead log {self._wenv.state_dir} is closed")
+            self._jobs.append((job, fut))
+            self._cv.notify()
+        return fut
+
+    def _run_inline(self, job: Callable[[], object]) -> Future:
+        fut: Future = Future()
+        with self._cv:
+            if self._failure is not None:
+                return _failed(self._failure)
+            taken = self._take()
+        jobs = taken.jobs + [(job, fut)]
+        try:
+            self._step(taken._replace(jobs=jobs))
+        except BaseException as exc:  # noqa: BLE001 - same rule as the thread loop
+            self._poison(exc, jobs)
+        return fut
+
+    def close(self) -> None:
+        """Commit what is pending, make it durable (all policies), stop the thread."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    # --- committer thread -------------------------------------------------------------------------
+
+    def _wait_for_work(self) -> None:
+        """Block (holding ``_cv``) until a group, a job, a due fsync or close needs the thread."""
+        while True:
+            if self._jobs or self._closing or self._flush_wanted or len(self._pending) >= self._max_group:
+                return
+            now = time.monotonic()
+            timeout = None
+            if self._pending:
+                timeout = self._first_append_t + self._max_delay_s - now
+            if self._unsynced:
+                due = self._last_sync_t + self._interval_s - now
+                timeout = due if timeout is None else min(timeout, due)
+            if timeout is not None and timeout <= 0:
+                return
+            self._idle = timeout is None
+            self._cv.wait(timeout)
+            self._idle = False
+
+    def _take(self) -> _Taken:
+        """Under ``_cv``: take the pending group and the queued jobs."""
+        group, self._pending = self._pending, []
+        fut, self._pending_future = self._pending_future, None
+        self._flush_wanted = False
+        if group and fut is None:
+            fut = Future()
+        if group:
+            self._tail_future = fut
+        jobs, self._jobs = self._jobs, []
+        return _Taken(group, fut, self._next_lsn - 1, jobs, self._closing)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                if self._failure is not None:
+                    return
+                self._wait_for_work()
+                taken = self._take()
+            try:
+                self._step(taken)
+            except BaseException as exc:  # noqa: BLE001 - any failure poisons the log
+                self._poison(exc, taken.jobs)
+                return
+            if taken.closing:
+                with self._cv:
+                    if not self._pending and not self._jobs:
+                        return
+
+    def _step(self, taken: _Taken) -> None:
+        group, fut, last, jobs, closing = taken
+        if group:
+            self._commit_group(group, fut, last)
+        for job, job_fut in jobs:
+            self._run_job(job, job_fut)
+        if self._unsynced and (closing or time.monotonic() >= self._last_sync_t + self._interval_s):
+            self.sync_now()
+        if closing and self._sync == "none":
+            self._wenv.sync()
+        self._maybe_reader_check()
+
+    def _commit_group(self, group: list[tuple[bytes, bytes]], fut: Future, last: int) -> None:
+        t0 = time.perf_counter()
+
+        def put(txn) -> None:
+            consumed, added = txn.cursor(db=self._wenv.log).putmulti(group, append=True)
+            if added != len(group):
+                raise WalError(f"group commit stored {added} of {len(group)} records (lsn order broken)")
+            crash_point("wal_before_commit")
+
+        self._wenv.write(put)  # sync="commit": the env fsyncs inside commit
+        crash_point("wal_after_commit")
+        elapsed = time.perf_counter() - t0
+        self._n_groups += 1
+        self._n_records += len(group)
+        self._last_size = len(group)
+        self._last_s = elapsed
+        self._total_s += elapsed
+        self._max_s = max(self._max_s, elapsed)
+        self._groups_since_reader_check += 1
+        with self._cv:
+            self._committed_lsn = last
+            if self._sync == "interval":
+                self._unsynced.append(fut)
+                return
+            self._durable_lsn = last
+            if self._tail_future is fut:
+                self._tail_future = None
+        if self._sync == "commit":
+            self._n_syncs += 1
+        fut.set_result(last)
+
+    def sync_now(self) -> int:
+        """fsync the environment and resolve every committed-but-unsynced ticket (committer
+        thread only). Returns the durable lsn."""
+        with self._cv:
+            waiting, self._unsynced = self._unsynced, []
+            last = self._committed_lsn
+        self._wenv.sync()
+        self._last_sync_t = time.monotonic()
+        self._n_syncs += 1
+        with self._cv:
+            self._durable_lsn = last
+            if self._tail_future in waiting:
+                self._tail_future = None
+        for fut in waiting:
+            fut.set_result(last)
+        return last
+
+    def _run_job(self, job: Callable[[], object], fut: Future) -> None:
+        try:
+            result = job()
+        except (ValueError, TypeError) as exc:  # caller's bad input; nothing was written
+            fut.set_exception(exc)
+            return
+        # any other failure propagates: the caller poisons the log and fails ``fut``
+        fut.set_result(result)
+
+    def _maybe_reader_check(self) -> None:
+        now = time.monotonic()
+        if self._groups_since_reader_check >= READER_CHECK_GROUPS or now - self._last_reader_check_t >= READER_CHECK_S:
+            self._groups_since_reader_check = 0
+            self._last_reader_check_t = now
+            self._wenv.reader_check()
+
+    def _poison(self, exc: BaseException, jobs) -> None:
+        failure = WalFailedError(
+            f"write-ahead log {self._wenv.state_dir} failed and accepts nothing more: {exc!r}; "
+            f"restart to recover from what reached the disk", self._wenv.state_dir,
+        )
+        failure.__cause__ = exc
+        log.error("wal poisoned path=%s error=%r", self._wenv.state_dir, exc)
+        with self._cv:
+            self._failure = failure
+            futures = [f for f in (self._pending_future, self._tail_future) if f is not None]
+            futures += self._unsynced + [f for _, f in self._jobs] + [f for _, f in jobs]
+            self._pending, self._pending_future, self._tail_future = [], None, None
+            self._unsynced, self._jobs = [], []
+        for fut in futures:
+            if not fut.done():
+                fut.set_exception(failure)
+
+    # --- introspection -----------------------------------------------------------------------------
+
+    @property
+    def failure(self) -> WalFailedError | None:
+        return self._failure
+
+    def stats(self) -> WalStats:
+        with self._cv:
+            lsns = (self._next_lsn, self._committed_lsn, self._durable_lsn)
+        return WalStats(self._n_groups, self._n_records, self._last_size, self._last_s, self._total_s,
+                        self._max_s, self._n_syncs, self._n_checkpoints, self._wenv.num_map_grows, *lsns)
+
+    def count_checkpoint(self) -> None:
+        self._n_checkpoints += 1
+
+    def check_invariants(self) -> None:
+        with self._cv:
+            assert self._durable_lsn <= self._committed_lsn < self._next_lsn, "lsn order broken"
+            keys = [k for k, _ in self._pending]
+            assert keys == sorted(keys), "pending keys out of order"
+            if keys:
+                assert keys[-1] == pack_key(self._next_lsn - 1), "pending does not end at next_lsn - 1"
+            if self._failure is not None:
+                assert not self._pending and not self._unsynced, "a poisoned log holds records"
