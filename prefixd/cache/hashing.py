@@ -1,0 +1,39 @@
+"""Block identity: 128-bit hashes chained on the parent, from a persisted root.
+
+``block_hash = xxh3_128(parent_hash || token_ids)``; the first block's parent is the namespace
+root ``xxh3_128(root_seed || tenant_salt || layout_digest || extra)``. The root seed is created
+once per state directory and persisted, so identities are stable across restarts (never
+``hash()`` or a per-process random).
+
+NOTE: the hash is the block's durable name (the WAL and the checkpoint speak of hashes); the
+radix tree matches token ids directly, so a hit never hashes and a hash collision can never serve
+another prompt's KV.
+"""
+
+from __future__ import annotations
+
+import xxhash
+
+HASH_BYTES = 16
+_h128 = xxhash.xxh3_128_digest
+
+
+def root_hash(root_seed: bytes, tenant_salt: bytes = b"", layout_digest: bytes = b"") -> bytes:
+    """The root of one tenant's namespace for one layout."""
+    parts = (root_seed, tenant_salt, layout_digest)
+    return _h128(b"prefixd-root\x00" + b"\x00".join(len(p).to_bytes(4, "little") + p for p in parts))
+
+
+def namespace_hash(root: bytes, extra: bytes) -> bytes:
+    """The parent hash of a sequence's first block; ``extra`` (LoRA id, images) splits it."""
+    return _h128(root + b"extra\x00" + extra) if extra else root
+
+
+def chain_hashes(parent_hash: bytes, tokens: bytes, block_bytes: int) -> list[bytes]:
+    """Hashes of consecutive full blocks of packed tokens, chained from ``parent_hash``."""
+    out = []
+    h = parent_hash
+    for start in range(0, len(tokens), block_bytes):
+        h = _h128(h + tokens[start:start + block_bytes])
+        out.append(h)
+    return out

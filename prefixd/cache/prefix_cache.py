@@ -1,0 +1,329 @@
+"""The cache core: sequences over a shared radix tree of device blocks."""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+from prefixd.api.layout import as_token_bytes
+from prefixd.cache import events as ev
+from prefixd.cache.events import SeqOpened, SeqReleased
+from prefixd.cache.errors import InvalidTokens, OutOfBlocks, UnknownSequence
+from prefixd.cache.node import DEVICE
+from prefixd.cache.policy import make_policy
+from prefixd.cache.radix import RadixTree
+from prefixd.cache.sequence import Sequence
+from prefixd.storage.slots import SlotAllocator
+
+
+class CacheStats:
+    """Counters (the daemon exports them as metrics)."""
+
+    __slots__ = ("requested_tokens", "hit_tokens", "opens", "evicted_blocks", "evict_ns",
+                 "cow_blocks", "committed_blocks")
+
+    def __init__(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, 0)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.requested_tokens if self.requested_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in self.__slots__} | {"hit_rate": self.hit_rate}
+
+
+class LookupResult(NamedTuple):
+    cached_tokens: int
+    device_tokens: int
+
+
+class PrefixCache:
+    """Prefix sharing over one pool: open / extend / commit / fork / release.
+
+    Device slots are owned by exactly one of: the free list, the index (a node's device run), a
+    sequence (its private tail and its dup slots). A partial last block may be shared by forked
+    siblings; ``_shared_tail`` counts its references (only while more than one).
+
+    Every change appends a typed event (``prefixd.cache.events``) for the WAL; callers drain
+    them with ``drain_events``. Hashes are computed only for blocks newly indexed at commit; a
+    hit compares token bytes, never hashes.
+
+    Args:
+        num_blocks: device pool size in blocks.
+        block_size: tokens per block.
+        root_hash: the namespace root (``hashing.root_hash`` of the persisted seed, the tenant
+            salt and the layout digest).
+        policy: eviction order, ``"lru"``, ``"lfu"`` or ``"priority"``.
+        data: optional byte mover with ``copy_within(tier, src_slots, dst_slots)``, called for
+            copy-on-write; ``None`` when there are no bytes (index-only benchmarks).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16, *, root_hash: bytes = b"\x00" * 16,
+                 policy: str = "lru", data=None) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.block_bytes = block_size * 4
+        self.tree = RadixTree(block_size, root_hash, make_policy(policy))
+        self.device = SlotAllocator(num_blocks)
+        self.data = data
+        self.stats = CacheStats()
+        self.events: list = []
+        self._seqs: dict[int, Sequence] = {}
+        self._shared_tail: dict[int, int] = {}
+        self._next_id = 1
+
+    # -- queries -------------------------------------------------------------------------
+
+    def sequence(self, seq_id: int) -> Sequence:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise UnknownSequence(seq_id) from None
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self._seqs)
+
+    def lookup(self, tokens, extra: bytes = b"") -> LookupResult:
+        """Cached tokens for ``tokens``, without pinning or touching anything."""
+        tokens = self._tokens(tokens)
+        pairs = self.tree.peek(self.tree.root(extra), tokens, len(tokens) // self.block_bytes)
+        total = sum(k for _, k in pairs) * self.block_size
+        device = 0
+        for node, k in pairs:
+            if node.slots[DEVICE] is None:
+                break
+            device += k
+        return LookupResult(total, device * self.block_size)
+
+    def drain_events(self) -> list:
+        out, self.events = self.events, []
+        return out
+
+    # -- mutations -----------------------------------------------------------------------
+
+    def open(self, tokens, extra: bytes = b"") -> Sequence:
+        """Share the longest cached run of ``tokens`` and allocate blocks for the rest.
+
+        At most ``len(tokens) - 1`` tokens are served from the cache: the engine must compute
+        the last one to get its logits.
+
+        Raises:
+            InvalidTokens: empty or malformed tokens.
+            OutOfBlocks: not enough device blocks can be freed; nothing changed.
+        """
+        if type(tokens) is not bytes or len(tokens) & 3:
+            tokens = self._tokens(tokens)
+        bs = self.block_size
+        num_tokens = len(tokens) >> 2
+        if not num_tokens:
+            raise InvalidTokens("cannot open an empty sequence")
+        tree = self.tree
+        root = tree.roots.get(extra) or tree.root(extra)
+        path = tree.match(root, tokens, (num_tokens - 1) // bs)
+        if path:
+            node = path[-1]
+            if len(path) == 1:
+                table = node.slots[DEVICE][:]
+            else:
+                table = []
+                for n in path:
+                    table += n.slots[DEVICE]
+            tree.lock(node)
+            deepest_hash = node.hashes[-1]
+        else:
+            node = root
+            node.lock_ref += 1
+            table = []
+            deepest_hash = b""
+        num_cached = len(table)
+        need = -(-num_tokens // bs) - num_cached
+        slots = self.device.allocate(need)
+        if slots is None:
+            try:
+                slots = self._allocate(need)
+            except OutOfBlocks:
+                tree.unlock(node)
+                raise
+        table += slots
+        seq_id = self._next_id
+        self._next_id = seq_id + 1
+        seq = Sequence(seq_id, extra, bytearray(tokens), table, node, num_cached, num_cached * bs)
+        self._seqs[seq_id] = seq
+        stats = self.stats
+        stats.opens += 1
+        stats.requested_tokens += num_tokens
+        stats.hit_tokens += num_cached * bs
+        self.events.append(SeqOpened(seq_id, num_tokens, num_cached, deepest_hash, extra))
+        return seq
+
+    def extend(self, seq_id: int, tokens) -> list[int]:
+        """Append token ids; returns the newly allocated slots (copy-on-write done first).
+
+        Raises:
+            UnknownSequence, InvalidTokens, OutOfBlocks (nothing changed).
+        """
+        seq = self.sequence(seq_id)
+        add = self._tokens(tokens)
+        if not add:
+            return []
+        bs = self.block_size
+        table = seq.block_table
+        old = len(seq.tokens) >> 2
+        need = -(-(old + (len(add) >> 2)) // bs) - len(table)
+        cow = bool(old % bs and self._shared_tail and table[-1] in self._shared_tail)
+        slots = self._allocate(need + cow) if need + cow else []
+        if cow:
+            new_slot = slots.pop()
+            self._copy_on_write(seq, new_slot)
+        table += slots
+        seq.tokens += add
+        self.events.append(ev.SeqExtended(seq_id, len(seq.tokens) >> 2))
+        return slots
+
+    def commit(self, seq_id: int) -> int:
+        """Index the sequence's full blocks (the client has written their KV).
+
+        Returns the number of blocks that entered the index. Where another sequence indexed the
+        same blocks first, this sequence's table switches to the index's slots.
+        """
+        return self._commit(self.sequence(seq_id))
+
+    def fork(self, seq_id: int, num_children: int) -> list[Sequence]:
+        """``num_children`` new sequences sharing every block of ``seq_id``.
+
+        NOTE: the parent's full blocks are indexed first (as by ``commit``): a fork follows a
+        computed prefill or decode step, and indexing makes every shared full block immutable,
+        so only the partial last block is ever shared privately and copied on write.
+        """
+        if num_children < 1:
+            raise ValueError(f"num_children must be >= 1, got {num_children}")
+        seq = self.sequence(seq_id)
+        self._commit(seq)
+        children = []
+        for _ in range(num_children):
+            child_id = self._next_id
+            self._next_id = child_id + 1
+            child = Sequence(child_id, seq.extra, bytearray(seq.tokens), list(seq.block_table),
+                             seq.node, seq.num_indexed, seq.cached_tokens)
+            self.tree.lock(seq.node)
+            self._seqs[child_id] = child
+            children.append(child)
+        if len(seq.block_table) > seq.num_indexed:
+            tail = seq.block_table[-1]
+            self._shared_tail[tail] = self._shared_tail.get(tail, 1) + num_children
+        self.events.append(ev.SeqForked(seq_id, tuple(c.id for c in children)))
+        return children
+
+    def release(self, seq_id: int, *, commit: bool = False) -> None:
+        """Drop the sequence: indexed blocks stay cached, private ones are freed."""
+        seq = self.sequence(seq_id)
+        if commit:
+            self._commit(seq)
+        del self._seqs[seq_id]
+        self.tree.unlock(seq.node)
+        owned = seq.block_table[seq.num_indexed:]
+        shared = self._shared_tail
+        if owned and shared and owned[-1] in shared:
+            self._unshare(owned.pop())
+        if seq.dup_slots:
+            owned += seq.dup_slots
+        self.device.free(owned)
+        self.events.append(SeqReleased(seq_id))
+
+    def evict(self, num_blocks: int) -> int:
+        """Free up to ``num_blocks`` unreferenced device blocks now; returns how many."""
+        return self._evict(num_blocks)
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _tokens(self, tokens) -> bytes:
+        if type(tokens) is bytes:
+            if len(tokens) & 3:
+                raise InvalidTokens(f"packed tokens must be a multiple of 4 bytes, got {len(tokens)}")
+            return tokens
+        try:
+            return as_token_bytes(tokens)
+        except (ValueError, TypeError) as exc:
+            raise InvalidTokens(str(exc)) from None
+
+    def _allocate(self, n: int) -> list[int]:
+        slots = self.device.allocate(n)
+        if slots is None:
+            self._evict(n - self.device.num_free)
+            slots = self.device.allocate(n)
+            if slots is None:
+                raise OutOfBlocks(n, self.device.num_free)
+        return slots
+
+    def _evict(self, num_blocks: int) -> int:
+        start = time.perf_counter_ns()
+        tree, freed = self.tree, 0
+        events = self.events
+        while freed < num_blocks:
+            node = tree.pop_victim(DEVICE)
+            if node is None:
+                break
+            slots, forgotten = tree.drop_residency(node, DEVICE)
+            self.device.free(slots)
+            freed += len(slots)
+            events.append(ev.BlocksDropped(DEVICE, node.hashes, slots))
+            if forgotten:
+                events.append(ev.BlocksForgotten(node.hashes))
+        self.stats.evicted_blocks += freed
+        self.stats.evict_ns += time.perf_counter_ns() - start
+        return freed
+
+    def _commit(self, seq: Sequence) -> int:
+        bb = self.block_bytes
+        num_full = len(seq.tokens) // bb
+        first = seq.num_indexed
+        if num_full <= first:
+            return 0
+        table = seq.block_table
+        ours = table[first:num_full]
+        node = seq.node
+        new_tokens = bytes(memoryview(seq.tokens)[first * bb:num_full * bb])
+        deepest, tree_slots, new_nodes = self.tree.insert(node, new_tokens, ours)
+        if tree_slots is not ours:
+            for i, (mine, theirs) in enumerate(zip(ours, tree_slots)):
+                if mine != theirs:
+                    seq.dup_slots.append(mine)
+                    table[first + i] = theirs
+        if deepest is not node:
+            self.tree.lock(deepest)
+            self.tree.unlock(node)
+            seq.node = deepest
+        seq.num_indexed = num_full
+        events = self.events
+        for new in new_nodes:
+            events.append(ev.BlocksStored(new.parent.hashes[-1], new.hashes, new.tokens, new.slots[DEVICE]))
+        events.append(ev.SeqCommitted(seq.id, num_full, deepest.hashes[-1]))
+        added = sum(n.num_blocks for n in new_nodes)
+        self.stats.committed_blocks += added
+        return added
+
+    def _copy_on_write(self, seq: Sequence, new_slot: int) -> None:
+        old_slot = seq.block_table[-1]
+        if self.data is not None:
+            self.data.copy_within(DEVICE, [old_slot], [new_slot])
+        seq.block_table[-1] = new_slot
+        self._unshare(old_slot)
+        self.stats.cow_blocks += 1
+        self.events.append(ev.BlockCopied(seq.id, old_slot, new_slot))
+
+    def _unshare(self, slot: int) -> None:
+        count = self._shared_tail[slot] - 1
+        if count > 1:
+            self._shared_tail[slot] = count
+        else:
+            del self._shared_tail[slot]
+
+    def check_invariants(self) -> None:
+        """Full consistency check (tests call it after every step; never the hot path)."""
+        from prefixd.cache.invariants import check_cache
+
+        check_cache(self)

@@ -1,0 +1,218 @@
+"""The index: one radix tree of full blocks across the three tiers."""
+
+from __future__ import annotations
+
+from prefixd.cache.hashing import chain_hashes, namespace_hash
+from prefixd.cache.node import DEVICE, NUM_TIERS, Node, new_root, split
+from prefixd.cache.policy import EvictionQueue
+
+
+def _common_blocks(run: bytes, tokens: bytes, pos: int, max_k: int, block_bytes: int) -> int:
+    """How many leading blocks of ``run`` equal ``tokens[pos:]`` (at least 1: the key matched)."""
+    lo, hi = 1, max_k
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if tokens.startswith(run[: mid * block_bytes], pos):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class RadixTree:
+    """Block-granular radix tree with per-tier residency and per-tier eviction queues.
+
+    One root per namespace (``extra``: LoRA id, image hashes; the tenant salt is already in
+    ``root_hash``), so sequences in different namespaces never share a block. A match that ends
+    inside a node splits it, so a match always ends on a node boundary and a sequence locks
+    whole nodes.
+
+    A node is evictable from tier T when it is resident in T, no child is resident in T, and
+    (for the device tier) no sequence locks it. The queue of tier T holds exactly those nodes.
+
+    Invariants: see ``Node``; also ``num_blocks_in[T]`` is the number of blocks resident in T.
+    """
+
+    def __init__(self, block_size: int, root_hash: bytes, policy) -> None:
+        self.block_size = block_size
+        self.block_bytes = block_size * 4
+        self.root_hash = root_hash
+        self.roots: dict[bytes, Node] = {}
+        self.queues = [EvictionQueue(t, policy) for t in range(NUM_TIERS)]
+        self.num_blocks_in = [0] * NUM_TIERS
+        self.clock = 0
+
+    def root(self, extra: bytes) -> Node:
+        root = self.roots.get(extra)
+        if root is None:
+            root = self.roots[extra] = new_root(namespace_hash(self.root_hash, extra))
+        return root
+
+    # -- matching ------------------------------------------------------------------------
+
+    def match(self, root: Node, tokens: bytes, max_blocks: int) -> list[Node]:
+        """Longest cached run of whole blocks (at most ``max_blocks``), as the path of nodes.
+
+        Splits the last node when the match ends inside it; touches every matched node.
+        """
+        bb = self.block_bytes
+        limit = max_blocks * bb
+        self.clock += 1
+        clock = self.clock
+        path = []
+        children = root.children
+        pos = 0
+        while pos < limit and children:
+            child = children.get(tokens[pos:pos + bb])
+            if child is None:
+                break
+            run = child.tokens
+            end = pos + len(run)
+            if end <= limit and tokens.startswith(run, pos):
+                pos = end
+            else:
+                k = _common_blocks(run, tokens, pos, min(child.num_blocks, (limit - pos) // bb), bb)
+                child = split(child, k, bb)
+                end = limit  # stop after this node
+                pos += k * bb
+            child.last_access = clock
+            child.hit_count += 1
+            path.append(child)
+            if end >= limit:
+                break
+            children = child.children
+        return path
+
+    def peek(self, root: Node, tokens: bytes, max_blocks: int) -> list[tuple[Node, int]]:
+        """Like ``match`` but changes nothing: ``(node, blocks matched in it)`` pairs."""
+        bb = self.block_bytes
+        limit = max_blocks * bb
+        out = []
+        node, pos = root, 0
+        while pos < limit:
+            child = node.children.get(tokens[pos:pos + bb])
+            if child is None:
+                break
+            k = _common_blocks(child.tokens, tokens, pos, min(child.num_blocks, (limit - pos) // bb), bb)
+            out.append((child, k))
+            pos += k * bb
+            if k < child.num_blocks:
+                break
+            node = child
+        return out
+
+    # -- insertion -----------------------------------------------------------------------
+
+    def insert(self, node: Node, tokens: bytes, slots: list[int]) -> tuple[Node, list[int], list[Node]]:
+        """Index full blocks ``tokens`` (device-resident at ``slots``) below ``node``.
+
+        Blocks already in the tree are not stored twice: where the tree has them on device the
+        caller must switch to the tree's slots; where it has them only in lower tiers, the
+        caller's device slots become their device copy.
+
+        Returns:
+            ``(deepest, tree_slots, new_nodes)``: the node holding the last block, the device
+            slot of each given block in the tree afterwards (``slots`` itself when nothing was
+            already there), and the nodes created.
+        """
+        bb = self.block_bytes
+        self.clock += 1
+        clock = self.clock
+        pos, n = 0, len(tokens)
+        tree_slots = None
+        while pos < n:
+            child = node.children.get(tokens[pos:pos + bb])
+            if child is None:
+                break
+            k = _common_blocks(child.tokens, tokens, pos, min(child.num_blocks, (n - pos) // bb), bb)
+            if k < child.num_blocks:
+                child = split(child, k, bb)
+            first = pos // bb
+            if child.slots[DEVICE] is None:
+                self.set_residency(child, DEVICE, slots[first:first + k])
+            if tree_slots is None:
+                tree_slots = slots[:first]
+            tree_slots += child.slots[DEVICE]
+            child.last_access = clock
+            node = child
+            pos += k * bb
+        if pos == n:
+            return node, tree_slots, []
+        first = pos // bb
+        rest = tokens[pos:] if pos else tokens
+        new = Node(node, rest[:bb], rest, (n - pos) // bb,
+                   chain_hashes(node.hashes[-1], rest, bb), [None, None, None], clock)
+        node.children[new.key] = new
+        self.set_residency(new, DEVICE, slots[first:] if first else slots)
+        if tree_slots is not None:
+            tree_slots += new.slots[DEVICE]
+        else:
+            tree_slots = slots
+        return new, tree_slots, [new]
+
+    # -- residency and eviction ----------------------------------------------------------
+
+    def _evictable(self, node: Node, tier: int) -> bool:
+        return (node.parent is not None and node.slots[tier] is not None
+                and not node.kids_in[tier] and (tier != DEVICE or not node.lock_ref))
+
+    def set_residency(self, node: Node, tier: int, slots: list[int]) -> None:
+        """Record that ``node``'s blocks now live in ``tier`` at ``slots``."""
+        assert node.slots[tier] is None and len(slots) == node.num_blocks
+        node.slots[tier] = slots
+        self.num_blocks_in[tier] += node.num_blocks
+        parent = node.parent
+        parent.kids_in[tier] += 1
+        self.queues[tier].discard(parent)
+        if self._evictable(node, tier):
+            self.queues[tier].add(node)
+
+    def drop_residency(self, node: Node, tier: int) -> tuple[list[int], bool]:
+        """Forget ``node``'s copy in ``tier``; returns ``(freed slots, forgotten)``.
+
+        A node resident nowhere leaves the tree (it can have no children then: each child
+        would be resident in some tier, and so would this node).
+        """
+        slots = node.slots[tier]
+        node.slots[tier] = None
+        self.num_blocks_in[tier] -= node.num_blocks
+        self.queues[tier].discard(node)
+        parent = node.parent
+        parent.kids_in[tier] -= 1
+        if not parent.kids_in[tier] and self._evictable(parent, tier):
+            self.queues[tier].add(parent)
+        forgotten = node.slots[0] is None and node.slots[1] is None and node.slots[2] is None
+        if forgotten:
+            assert not node.children, "a node resident nowhere still has children"
+            del parent.children[node.key]
+            for t in range(NUM_TIERS):
+                self.queues[t].discard(node)
+        return slots, forgotten
+
+    def pop_victim(self, tier: int) -> Node | None:
+        """The next node to evict from ``tier`` (removed from its queue), or ``None``.
+
+        NOTE: whole nodes are evicted, never a part: every block of a node shares one access
+        time and one hit count, so the blocks freed beyond the need are the very next victims
+        anyway, and not splitting saves a node per eviction on the hot path.
+        """
+        return self.queues[tier].pop()
+
+    def lock(self, node: Node) -> None:
+        if not node.lock_ref and node.parent is not None:
+            self.queues[DEVICE].discard(node)
+        node.lock_ref += 1
+
+    def unlock(self, node: Node) -> None:
+        node.lock_ref -= 1
+        if not node.lock_ref and self._evictable(node, DEVICE):
+            self.queues[DEVICE].add(node)
+
+    def nodes(self):
+        """Every non-root node, parents before children."""
+        stack = list(self.roots.values())
+        while stack:
+            node = stack.pop()
+            for child in node.children.values():
+                yield child
+                stack.append(child)
