@@ -10,22 +10,15 @@ beside it.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import pathlib
-import statistics
 import sys
-import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from prefixd.cache import PrefixCache  # noqa: E402
+from prefixd.replay import replay, summarize  # noqa: E402
 from prefixd.workloads import WORKLOADS, ideal_hit_rate, working_set_tokens  # noqa: E402
-
-
-def _pct(values: list[int], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] / 1000
 
 
 def run(workload: str, block_size: int = 16, pool_fraction: float = 0.5, policy: str = "lru",
@@ -34,41 +27,19 @@ def run(workload: str, block_size: int = 16, pool_fraction: float = 0.5, policy:
     ws = working_set_tokens(reqs, block_size)
     num_blocks = int(ws * pool_fraction) // block_size
     cache = PrefixCache(num_blocks, block_size, policy=policy)
-    times = {"open": [], "extend": [], "commit": [], "release": []}
-    clock = time.perf_counter_ns
-    gc.collect()
-    gc.disable()
     prof = None
     if profile:
         import cProfile
 
         prof = cProfile.Profile()
         prof.enable()
-    try:
-        for req in reqs:
-            t0 = clock()
-            seq = cache.open(req.prompt)
-            t1 = clock()
-            cache.extend(seq.id, req.output[:-4])
-            t2 = clock()
-            cache.commit(seq.id)
-            t3 = clock()
-            cache.release(seq.id)
-            t4 = clock()
-            cache.events.clear()
-            times["open"].append(t1 - t0)
-            times["extend"].append(t2 - t1)
-            times["commit"].append(t3 - t2)
-            times["release"].append(t4 - t3)
-    finally:
-        gc.enable()
+    times = replay(cache, reqs)
     if prof is not None:
         prof.disable()
         import pstats
 
         pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(15)
-    ops = {name: {"median_us": statistics.median(v) / 1000, "p99_us": _pct(v, 0.99)}
-           for name, v in times.items()}
+    ops = summarize(times)
     evicted_tokens = cache.stats.evicted_blocks * block_size
     ops["evict"] = {
         "blocks": cache.stats.evicted_blocks,
