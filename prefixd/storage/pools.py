@@ -203,6 +203,10 @@ class DiskPool:
             raise StorageError(f"fdatasync of {self.path} failed: {exc}") from exc
         return True
 
+    def prefetch(self, slot: int, n: int) -> None:
+        """Start reading ``n`` slots from ``slot`` into the page cache without waiting."""
+        os.posix_fadvise(self.fd, self.offset(slot), n * self.block_bytes, os.POSIX_FADV_WILLNEED)
+
     def drop_cache(self) -> None:
         """Ask the kernel to drop this file's clean pages (benchmarks: a cold read)."""
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)

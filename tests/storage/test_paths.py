@@ -1,0 +1,128 @@
+"""Block bytes survive every movement path unchanged, whatever the slot pattern."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import xxhash
+
+from prefixd.storage import checksum, movement
+from prefixd.storage.tiers import Tier
+
+from .conftest import BIG, SMALL, block_data, same_bytes
+
+
+@pytest.mark.parametrize("layout", [SMALL, BIG], ids=["16KiB-fp16", "256KiB-bf16"])
+def test_blocks_survive_device_host_disk_device(make_store, layout, monkeypatch):
+    monkeypatch.setattr(movement, "CHUNK_BYTES", 3 * layout.block_bytes)  # several chunks per batch
+    store = make_store(layout, device=16, host=16, disk=16)
+    ids = list(range(100, 110))
+    data = block_data(layout, ids)
+    dev = [3, 4, 5, 9, 0, 15, 7, 8, 1, 2]
+    store.write(Tier.DEVICE, dev, data)
+    host = [15, 14, 2, 3, 4, 5, 11, 0, 6, 7]
+    down = store.copy(Tier.DEVICE, dev, Tier.HOST, host)
+    assert down.checksums == [checksum.checksum(bytes(b.view(torch.uint8).reshape(-1).numpy())) for b in data]
+    disk = [0, 1, 2, 3, 12, 13, 4, 10, 9, 8]
+    spill = store.copy(Tier.HOST, host, Tier.DISK, disk, durable=True)
+    assert spill.checksums == down.checksums
+    store.write(Tier.DEVICE, list(range(16)), block_data(layout, range(16)))  # scribble over device
+    back = [6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
+    up = store.copy(Tier.DISK, disk, Tier.DEVICE, back, verify=spill.checksums)
+    assert up.ok == [True] * 10 and up.checksums == spill.checksums
+    assert same_bytes(store.read(Tier.DEVICE, back), data)
+    assert same_bytes(store.read(Tier.DISK, disk), data)
+    store.check_invariants()
+
+
+def test_shuffled_slots_match_a_reference_model(make_store, monkeypatch):
+    monkeypatch.setattr(movement, "CHUNK_BYTES", 5 * SMALL.block_bytes)
+    store = make_store(device=64, host=64, disk=64)
+    rng = random.Random(7)
+    model: dict[tuple[Tier, int], int] = {}
+    dev = list(range(64))
+    store.write(Tier.DEVICE, dev, block_data(SMALL, dev))
+    model.update({(Tier.DEVICE, s): s for s in dev})
+    sums = {}
+    for step in range(12):
+        src_t, dst_t = rng.choice([(Tier.DEVICE, Tier.HOST), (Tier.HOST, Tier.DISK), (Tier.DISK, Tier.DEVICE),
+                                   (Tier.HOST, Tier.DEVICE), (Tier.DEVICE, Tier.DISK), (Tier.DISK, Tier.HOST)])
+        n = rng.randint(1, 40)
+        src = rng.sample([s for (t, s) in model if t == src_t], min(n, sum(t == src_t for t, _ in model)))
+        if not src:
+            continue
+        dst = rng.sample(range(64), len(src)) if step % 2 else sorted(rng.sample(range(64), len(src)))
+        verify = [sums[s] for s in src] if src_t is Tier.DISK else None
+        res = store.copy(src_t, src, dst_t, dst, verify=verify)
+        if dst_t is Tier.DISK:
+            sums.update(zip(dst, res.checksums))
+        ids = [model[(src_t, s)] for s in src]
+        model.update({(dst_t, d): i for d, i in zip(dst, ids)})
+        assert same_bytes(store.read(dst_t, dst), block_data(SMALL, ids)), f"step {step}: {src_t.name}->{dst_t.name}"
+
+
+def test_copy_within_each_tier(make_store):
+    store = make_store()
+    data = block_data(SMALL, [1, 2])
+    for tier in Tier:
+        store.write(tier, [0, 5], data)
+        store.copy_within(tier, [0, 5], [7, 3])
+        assert same_bytes(store.read(tier, [7, 3]), data)
+    with pytest.raises(ValueError, match="overlap"):
+        store.copy_within(Tier.HOST, [1, 2], [2, 3])
+
+
+def test_copy_async_gives_the_same_result(make_store):
+    store = make_store()
+    store.write(Tier.HOST, [0, 1, 2], block_data(SMALL, [4, 5, 6]))
+    fut = store.copy_async(Tier.HOST, [0, 1, 2], Tier.DISK, [5, 6, 7], durable=True)
+    res = fut.result(timeout=10)
+    assert res.checksums == store.checksum(Tier.HOST, [0, 1, 2]) == store.checksum(Tier.DISK, [5, 6, 7])
+    up = store.copy_async(Tier.DISK, [5, 6, 7], Tier.DEVICE, [0, 1, 2], verify=res.checksums).result(timeout=10)
+    assert up.ok == [True, True, True]
+
+
+def test_streaming_checksum_equals_one_shot_for_big_blocks(make_store):
+    """Blocks over one L2 piece are hashed piece by piece while copied; the digest must not change."""
+    assert BIG.block_bytes > movement.L2_PIECE_BYTES
+    store = make_store(BIG, device=2, host=2, disk=2)
+    data = block_data(BIG, [9, 10])
+    store.write(Tier.DEVICE, [0, 1], data)
+    res = store.copy(Tier.DEVICE, [1, 0], Tier.HOST, [0, 1])
+    raw = data.view(torch.uint8).reshape(2, -1).numpy()
+    assert res.checksums == [xxhash.xxh3_64_intdigest(raw[1]), xxhash.xxh3_64_intdigest(raw[0])]
+
+
+def test_runs_coalesce_consecutive_slots():
+    assert movement.runs([4, 5, 6, 9, 10, 2]) == [(0, 4, 3), (3, 9, 2), (5, 2, 1)]
+    assert movement.runs([]) == []
+    assert movement.runs([1, 2, 3, 4], 1, 3) == [(1, 2, 2)]
+
+
+def test_bad_arguments_are_refused_with_a_reason(make_store):
+    store = make_store(disk=0)
+    assert store.tiers == (Tier.DEVICE, Tier.HOST)
+    with pytest.raises(ValueError, match="DISK is absent"):
+        store.allocator(Tier.DISK)
+    with pytest.raises(ValueError, match=r"\[0, 8\)"):
+        store.copy(Tier.DEVICE, [8], Tier.HOST, [0])
+    with pytest.raises(ValueError, match="as many"):
+        store.copy(Tier.DEVICE, [1, 2], Tier.HOST, [0])
+    with pytest.raises(ValueError, match="verify="):
+        store.copy(Tier.DEVICE, [1], Tier.HOST, [0], verify=[0])
+    with pytest.raises(ValueError, match="expects"):
+        store.write(Tier.HOST, [0], torch.zeros(1, 3))
+    assert store.copy(Tier.DEVICE, [], Tier.HOST, []).checksums == []
+
+
+def test_allocators_match_pools_and_keep_invariants(make_store):
+    store = make_store(device=4, host=6, disk=8)
+    for tier, n in ((Tier.DEVICE, 4), (Tier.HOST, 6), (Tier.DISK, 8)):
+        alloc = store.allocator(tier)
+        assert alloc.num_slots == n
+        got = alloc.allocate(3)
+        alloc.defer_free(got[:1])
+        alloc.free(got[1:])
+    store.check_invariants()
