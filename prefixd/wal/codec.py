@@ -35,6 +35,16 @@ KEY_SIZE = _KEY.size
 CRC_SIZE = _CRC.size
 
 pack_key = _KEY.pack
+_CRC_PACK = _CRC.pack
+
+
+def _unknown_kind(kind: int, *fields: object) -> bytes:
+    raise TypeError(f"unknown record kind {kind}")
+
+
+# Hot-path tables indexed by kind code (a list index is cheaper than attribute access).
+_PACK = [c.struct.pack if c is not None else _unknown_kind for c in CODECS]
+_HAS_BLOB = [c is not None and c.spec.blob for c in CODECS]
 
 
 class Record(NamedTuple):
@@ -72,24 +82,23 @@ def encode(kind: int, fields: tuple, blob: bytes = b"") -> bytes:
     Raises:
         ValueError: unknown kind, wrong number or range of fields, or a blob on a blob-less kind.
     """
-    codec = CODECS[kind] if 0 <= kind < 256 else None
-    if codec is None:
-        raise ValueError(f"unknown record kind {kind!r}")
-    if len(fields) != codec.num_fields:
-        raise ValueError(
-            f"{codec.kind.name} takes {codec.num_fields} fields "
-            f"{[n for n, _ in codec.spec.fields]}, got {len(fields)}"
-        )
     try:
-        head = codec.struct.pack(kind, *fields)
-    except struct.error as exc:
-        raise ValueError(f"{codec.kind.name} fields {fields!r} do not fit its layout: {exc}") from None
+        head = _PACK[kind](kind, *fields)
+    except (IndexError, TypeError, struct.error) as exc:
+        raise _encode_error(kind, fields, exc) from None
     if blob:
-        if not codec.spec.blob:
-            raise ValueError(f"{codec.kind.name} records carry no blob (got {len(blob)} bytes)")
-        crc = _crc32c_extend(_crc32c(head), blob)
-        return b"".join((head, blob, _CRC.pack(crc)))
-    return head + _CRC.pack(_crc32c(head))
+        if not _HAS_BLOB[kind]:
+            raise ValueError(f"{Kind(kind).name} records carry no blob (got {len(blob)} bytes)")
+        return b"".join((head, blob, _CRC_PACK(_crc32c_extend(_crc32c(head), blob))))
+    return head + _CRC_PACK(_crc32c(head))
+
+
+def _encode_error(kind: object, fields: tuple, exc: Exception) -> ValueError:
+    codec = CODECS[kind] if isinstance(kind, int) and 0 <= kind < 256 else None
+    if codec is None:
+        return ValueError(f"unknown record kind {kind!r}")
+    names = [n for n, _ in codec.spec.fields]
+    return ValueError(f"{codec.kind.name} takes fields {names} ({codec.struct.format}), got {fields!r}: {exc}")
 
 
 def decode(lsn: int, value: bytes) -> Record:

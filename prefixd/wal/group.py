@@ -35,7 +35,7 @@ from typing import Callable, NamedTuple
 
 from prefixd.faults import crash_point
 from prefixd.wal.codec import encode, pack_key
-from prefixd.wal.env import WalEnv
+from prefixd.wal.env import WalEnv, _pid
 from prefixd.wal.errors import WalClosedError, WalError, WalFailedError
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,9 @@ class GroupCommitter:
         self._interval_s = interval_s
         self._max_delay_s = max_delay_s
         self._max_group = max_group_records
-        self._cv = threading.Condition(threading.Lock())
+        self._pid = wenv.pid
+        self._lock = threading.Lock()  # append takes the lock directly: its C __enter__ is cheaper
+        self._cv = threading.Condition(self._lock)
         # --- guarded by _cv ---
         self._pending: list[tuple[bytes, bytes]] = []
         self._pending_future: Future | None = None  # shared by every flush() of the pending group
@@ -124,11 +126,12 @@ class GroupCommitter:
 
     # --- producer side ----------------------------------------------------------------------------
 
-    def append(self, kind: int, fields: tuple, blob: bytes) -> int:
-        """Buffer one record; see ``Wal.append``."""
-        self._wenv.check_usable()
+    def append(self, kind: int, *fields: int | float, blob: bytes = b"") -> int:
+        """Buffer one record; see ``Wal.append`` (which is bound to this method)."""
+        if self._pid != _pid[0]:
+            self._wenv.check_usable()  # raises ForkedEnvError
         value = encode(kind, fields, blob)
-        with self._cv:
+        with self._lock:
             if self._failure is not None:
                 raise self._failure
             if self._closing:
@@ -221,16 +224,30 @@ class GroupCommitter:
             self._idle = False
 
     def _take(self) -> _Taken:
-        """Under ``_cv``: take the pending group and the queued jobs."""
-        group, self._pending = self._pending, []
-        fut, self._pending_future = self._pending_future, None
-        self._flush_wanted = False
-        if group and fut is None:
-            fut = Future()
+        """Under ``_cv``: take the pending group (at most ``max_group_records``) and the jobs.
+
+        Records beyond the cap stay pending with the shared flush Future, which therefore
+        resolves with a later group; groups resolve in lsn order, so that is never early.
+        """
+        pending = self._pending
+        last = self._next_lsn - 1
+        if len(pending) > self._max_group:
+            group, self._pending = pending[: self._max_group], pending[self._max_group :]
+            last -= len(self._pending)
+            fut: Future | None = Future()
+            self._first_append_t = time.monotonic()
+        else:
+            group, self._pending = pending, []
+            fut, self._pending_future = self._pending_future, None
+            self._flush_wanted = False
+            if group and fut is None:
+                fut = Future()
         if group:
             self._tail_future = fut
-        jobs, self._jobs = self._jobs, []
-        return _Taken(group, fut, self._next_lsn - 1, jobs, self._closing)
+        jobs: list = []
+        if not self._pending:  # a job runs only after every record appended before it
+            jobs, self._jobs = self._jobs, []
+        return _Taken(group, fut, last, jobs, self._closing and not self._pending)
 
     def _run(self) -> None:
         while True:

@@ -90,6 +90,9 @@ class Wal:
             raise
         self._closed = False
         self._close_lock = threading.Lock()
+        # NOTE: the hot path skips one Python frame: the instance attribute shadows the method
+        # below, which stays for its documentation.
+        self.append = self._committer.append  # type: ignore[method-assign]
         self._committer.start()
 
     # --- appending ----------------------------------------------------------------------------------
@@ -109,7 +112,7 @@ class Wal:
             ValueError: wrong kind, field count or range, or a blob on a blob-less kind.
             WalFailedError: the log is poisoned. WalClosedError: closed. ForkedEnvError.
         """
-        return self._committer.append(kind, fields, blob)
+        return self._committer.append(kind, *fields, blob=blob)  # shadowed in __init__
 
     def flush(self) -> Future:
         """A ticket for every record appended so far (by any thread).

@@ -1,0 +1,200 @@
+"""LMDB hygiene, state lock, meta validation, restart behaviour, replay verification."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import msgpack
+import pytest
+
+from prefixd.wal import (
+    EnvAlreadyOpenError,
+    ForkedEnvError,
+    Kind,
+    StateLockedError,
+    StateMismatchError,
+    WalCorruptError,
+)
+from prefixd.wal.meta import K_FORMAT, K_KINDS
+
+from .conftest import raw_env, run_child
+
+
+def test_map_grows_from_a_tiny_map(open_wal):
+    wal = open_wal(map_size=64 * 1024)
+    blob = os.urandom(3000)
+    for i in range(400):
+        wal.append(Kind.BLOCK_PUT, 1, 24, blob=blob)
+        if i % 50 == 49:
+            wal.flush().result(10)
+    wal.flush().result(10)
+    wal.checkpoint(400, {b"big": os.urandom(2 << 20)}, {})
+    stats = wal.stats()
+    assert stats.map_grows >= 3 and wal._wenv.map_size > 64 * 1024
+    assert wal.load_checkpoint()[0] == 400
+    wal.check_invariants()
+
+
+def test_second_open_in_the_same_process_is_refused(state_dir, open_wal):
+    open_wal()
+    with pytest.raises(EnvAlreadyOpenError, match="already open in this process"):
+        open_wal()
+    with pytest.raises(EnvAlreadyOpenError):
+        open_wal(path=state_dir + "/../state")  # same directory through another path
+
+
+def test_second_process_is_refused_by_the_lock(state_dir, open_wal):
+    open_wal()
+    child = run_child(f"""
+        from prefixd.wal import Wal, StateLockedError
+        try:
+            Wal({state_dir!r})
+        except StateLockedError as exc:
+            print(exc.pid)
+            print(exc)
+    """)
+    assert child.returncode == 0, child.stderr
+    pid_line, message = child.stdout.splitlines()[:2]
+    assert int(pid_line) == os.getpid() and f"pid {os.getpid()}" in message
+
+
+def test_lock_is_released_on_close(state_dir, open_wal):
+    open_wal().close()
+    child = run_child(f"""
+        from prefixd.wal import Wal
+        Wal({state_dir!r}).close()
+    """)
+    assert child.returncode == 0, child.stderr
+
+
+def test_use_after_fork_is_refused(open_wal):
+    wal = open_wal()
+    wal.append(Kind.RELEASE, 1)
+    pid = os.fork()
+    if pid == 0:  # child: every use must raise ForkedEnvError; close must not touch LMDB
+        code = 0
+        for use in (lambda: wal.append(Kind.RELEASE, 2), wal.flush, lambda: list(wal.replay()),
+                    wal.load_checkpoint):
+            try:
+                use()
+                code = 1
+            except ForkedEnvError:
+                pass
+            except BaseException:
+                code = 2
+        wal.close()
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert wal.flush().result(5) == 1  # the parent is unaffected
+
+
+def test_layout_mismatch_is_refused(state_dir, open_wal):
+    open_wal(layouts=b"layout-v1").close()
+    with pytest.raises(StateMismatchError, match="layouts") as err:
+        open_wal(layouts=b"layout-v2")
+    assert err.value.path == os.path.realpath(state_dir)
+    open_wal(layouts=None).close()  # offline tools skip the check
+
+
+def test_format_version_mismatch_is_refused(state_dir, open_wal):
+    open_wal().close()
+    env = raw_env(state_dir)
+    meta = env.open_db(b"meta")
+    with env.begin(write=True, db=meta) as txn:
+        txn.put(K_FORMAT, struct.pack(">Q", 999))
+    env.close()
+    with pytest.raises(StateMismatchError, match="format_version.*999"):
+        open_wal()
+
+
+def test_changed_or_unknown_kinds_are_refused(state_dir, open_wal):
+    open_wal().close()
+    env = raw_env(state_dir)
+    meta = env.open_db(b"meta")
+    with env.begin(write=True, db=meta) as txn:
+        table = msgpack.unpackb(txn.get(K_KINDS))
+        txn.put(K_KINDS, msgpack.packb(table + [[200, "FUTURE", "Q", False]]))
+    env.close()
+    with pytest.raises(StateMismatchError, match="FUTURE"):
+        open_wal()
+    env = raw_env(state_dir)
+    meta = env.open_db(b"meta")
+    with env.begin(write=True, db=meta) as txn:
+        table[1][2] = "QQ"  # DETACH laid out differently
+        txn.put(K_KINDS, msgpack.packb(table))
+    env.close()
+    with pytest.raises(StateMismatchError, match="kind 2"):
+        open_wal()
+
+
+def test_meta_persists_seed_and_counts_epochs(state_dir, open_wal):
+    first = open_wal()
+    seed, boot = first.root_seed, first.meta.boot_id
+    assert len(seed) == 16 and first.open_epoch() == 1 and first.meta.created
+    first.close()
+    second = open_wal()
+    assert second.root_seed == seed and second.open_epoch() == 2 and not second.meta.created
+    assert second.meta.previous_boot_id == boot == second.meta.boot_id
+
+
+def test_lsns_continue_after_restart(state_dir, open_wal):
+    wal = open_wal()
+    for i in range(7):
+        wal.append(Kind.DETACH, i)
+    wal.checkpoint(7, {}, {})  # the log is now empty: numbering continues from the checkpoint
+    wal.close()
+    wal = open_wal()
+    assert wal.append(Kind.DETACH, 7) == 8
+    wal.close()
+    wal = open_wal()
+    assert [r.lsn for r in wal.replay()] == [8]
+    assert wal.append(Kind.DETACH, 8) == 9
+
+
+def test_replay_reports_a_flipped_bit_with_its_lsn(state_dir, open_wal):
+    wal = open_wal()
+    for i in range(5):
+        wal.append(Kind.COMMIT, i, 1, blob=b"h" * 20)
+    wal.close()
+    env = raw_env(state_dir)
+    log = env.open_db(b"log")
+    with env.begin(write=True, db=log) as txn:
+        key = struct.pack(">Q", 3)
+        value = bytearray(txn.get(key))
+        value[10] ^= 0x10
+        txn.put(key, bytes(value))
+    env.close()
+    wal = open_wal()
+    replay = wal.replay()
+    assert [next(replay).lsn for _ in range(2)] == [1, 2]
+    with pytest.raises(WalCorruptError, match="checksum") as err:
+        next(replay)
+    assert err.value.lsn == 3 and err.value.path == os.path.realpath(state_dir)
+
+
+def test_replay_reports_a_gap(state_dir, open_wal):
+    wal = open_wal()
+    for i in range(5):
+        wal.append(Kind.DETACH, i)
+    wal.close()
+    env = raw_env(state_dir)
+    log = env.open_db(b"log")
+    with env.begin(write=True, db=log) as txn:
+        txn.delete(struct.pack(">Q", 4))
+    env.close()
+    with pytest.raises(WalCorruptError, match="missing record") as err:
+        list(open_wal().replay())
+    assert err.value.lsn == 4
+
+
+def test_replay_spans_batches(open_wal):
+    from prefixd.wal import replay as replay_mod
+
+    wal = open_wal()
+    for i in range(25):
+        wal.append(Kind.DETACH, i)
+    wal.commit_now()
+    got = [r.fields[0] for r in replay_mod.replay(wal._wenv, 0, batch=4)]
+    assert got == list(range(25))

@@ -1,0 +1,215 @@
+"""Group commit: grouping, ticket semantics, sync policies, poisoning, crash points."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import lmdb
+import pytest
+
+from prefixd.faults import CRASH_EXIT_CODE
+from prefixd.wal import Kind, WalClosedError, WalFailedError
+
+from .conftest import run_child
+
+
+def _lsns(wal):
+    return [r.lsn for r in wal.replay()]
+
+
+def test_concurrent_appends_form_groups(open_wal):
+    wal = open_wal(max_delay_ms=50)
+    num_threads, per_thread = 6, 200
+    got: list[list[int]] = [[] for _ in range(num_threads)]
+
+    def worker(i: int) -> None:
+        for n in range(per_thread):
+            got[i].append(wal.append(Kind.EXTEND, i, n, blob=b"t" * 64))
+            if n % 10 == 9:
+                wal.flush().result()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(num_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wal.flush().result()
+    wal.check_invariants()
+    stats = wal.stats()
+    total = num_threads * per_thread
+    assert stats.records_committed == total
+    assert stats.groups_committed < total, "every record got its own commit: no grouping"
+    assert sorted(sum(got, [])) == list(range(1, total + 1))
+    for i, lsns in enumerate(got):  # each thread's records stay in its own order
+        assert lsns == sorted(lsns)
+    records = list(wal.replay())
+    assert [r.lsn for r in records] == list(range(1, total + 1))
+    by_thread = {}
+    for r in records:
+        by_thread.setdefault(r.fields[0], []).append(r.fields[1])
+    assert all(v == list(range(per_thread)) for v in by_thread.values())
+
+
+def test_flush_waits_for_the_commit(open_wal):
+    wal = open_wal()
+    gate = threading.Event()
+    real_write = wal._wenv.write
+
+    def slow_write(fn):
+        gate.wait(5)
+        return real_write(fn)
+
+    wal._wenv.write = slow_write
+    lsn = wal.append(Kind.RELEASE, 1)
+    ticket = wal.flush()
+    time.sleep(0.05)
+    assert not ticket.done(), "ticket resolved before its group committed"
+    gate.set()
+    assert ticket.result(5) == lsn
+    assert wal.stats().durable_lsn == lsn
+    assert wal.flush().result(1) == lsn  # nothing new: an already resolved ticket
+
+
+def test_flushed_records_survive_a_kill(state_dir, open_wal):
+    """Records whose ticket resolved are in the log after the process dies without closing."""
+    child = run_child(f"""
+        import os
+        from prefixd.wal import Wal, Kind
+        wal = Wal({state_dir!r}, layouts=b"layout-v1")
+        for i in range(100):
+            wal.append(Kind.COMMIT, i, 2, blob=b"h" * 32)
+        print(wal.flush().result())
+        os._exit(9)
+    """)
+    assert child.returncode == 9, child.stderr
+    assert child.stdout.strip() == "100"
+    wal = open_wal()
+    assert _lsns(wal) == list(range(1, 101))
+    assert wal.append(Kind.RELEASE, 1) == 101
+
+
+@pytest.mark.parametrize("point, survives", [("wal_before_commit", False), ("wal_after_commit", True)])
+def test_crash_points_around_the_group_commit(state_dir, open_wal, point, survives):
+    child = run_child(f"""
+        from prefixd.wal import Wal, Kind
+        wal = Wal({state_dir!r}, layouts=b"layout-v1")
+        wal.append(Kind.RELEASE, 1); wal.flush().result()
+        wal.append(Kind.RELEASE, 2); wal.flush().result()
+    """, crash=f"{point}:2")
+    assert child.returncode == CRASH_EXIT_CODE, child.stderr
+    assert _lsns(open_wal()) == ([1, 2] if survives else [1])
+
+
+def test_interval_mode_resolves_after_the_periodic_fsync(open_wal):
+    wal = open_wal(sync="interval", interval_ms=100)
+    syncs = []
+    real_sync = wal._wenv.sync
+    wal._wenv.sync = lambda: (syncs.append(time.monotonic()), real_sync())[1]
+    wal.append(Kind.RELEASE, 1)
+    wal.flush().result(5)  # first sync is immediate (none for an interval)
+    t0 = time.monotonic()
+    wal.append(Kind.RELEASE, 2)
+    ticket = wal.flush()
+    assert ticket.result(5) == 2
+    assert len(syncs) == 2 and syncs[1] - syncs[0] >= 0.09
+    assert time.monotonic() - t0 >= 0.05, "interval ticket resolved without waiting for the fsync"
+    assert wal.commit_now() == 2
+
+
+def test_none_mode_commits_without_fsync(state_dir, open_wal):
+    wal = open_wal(sync="none")
+    wal._wenv.sync = lambda: pytest.fail("sync='none' fsynced before close")
+    for i in range(10):
+        wal.append(Kind.DETACH, i)
+    assert wal.flush().result(5) == 10
+    assert wal.stats().syncs == 0
+    del wal._wenv.sync
+    wal.close()
+    assert _lsns(open_wal()) == list(range(1, 11))
+
+
+def test_failed_commit_poisons_the_wal(state_dir, open_wal):
+    wal = open_wal()
+    wal.append(Kind.RELEASE, 1)
+    assert wal.flush().result(5) == 1
+
+    def failing_write(fn):
+        raise lmdb.DiskError("fdatasync: Input/output error")
+
+    wal._wenv.write = failing_write
+    wal.append(Kind.RELEASE, 2)
+    ticket = wal.flush()
+    with pytest.raises(WalFailedError) as err:
+        ticket.result(5)
+    assert isinstance(err.value.__cause__, lmdb.DiskError)
+    with pytest.raises(WalFailedError):
+        wal.append(Kind.RELEASE, 3)
+    with pytest.raises(WalFailedError):
+        wal.flush().result(5)
+    with pytest.raises(WalFailedError):
+        wal.commit_now()
+    assert wal.failure is not None and wal.stats().durable_lsn == 1
+    wal.close()
+    assert _lsns(open_wal()) == [1]
+
+
+def test_failed_fsync_is_never_retried_into_success(open_wal):
+    """An interval fsync that fails must fail its tickets, not be retried by the next sync."""
+    wal = open_wal(sync="interval", interval_ms=20)
+    calls = []
+
+    def failing_sync():
+        calls.append(1)
+        raise OSError(5, "Input/output error")
+
+    wal._wenv.sync = failing_sync
+    wal.append(Kind.RELEASE, 1)
+    ticket = wal.flush()
+    with pytest.raises(WalFailedError):
+        ticket.result(5)
+    time.sleep(0.1)
+    assert len(calls) == 1, "a failed fsync was retried"
+    with pytest.raises(WalFailedError):
+        wal.append(Kind.RELEASE, 2)
+    wal.check_invariants()
+
+
+def test_closed_wal_refuses_appends(open_wal):
+    wal = open_wal()
+    wal.append(Kind.RELEASE, 1)
+    wal.close()
+    with pytest.raises(WalClosedError):
+        wal.append(Kind.RELEASE, 2)
+
+
+def test_close_commits_pending_records(state_dir, open_wal):
+    wal = open_wal(max_delay_ms=10_000)
+    for i in range(5):
+        wal.append(Kind.DETACH, i)
+    wal.close()
+    assert _lsns(open_wal()) == [1, 2, 3, 4, 5]
+
+
+def test_unflushed_records_commit_after_max_delay(open_wal):
+    wal = open_wal(max_delay_ms=20)
+    wal.append(Kind.DETACH, 1)
+    deadline = time.monotonic() + 5
+    while wal.stats().durable_lsn < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert wal.stats().durable_lsn == 1
+
+
+def test_group_cap_splits_a_large_pending_buffer(open_wal):
+    wal = open_wal(max_group_records=16, max_delay_ms=10_000)
+    gate = threading.Event()
+    real_write = wal._wenv.write
+    wal._wenv.write = lambda fn: (gate.wait(5), real_write(fn))[1]
+    for i in range(40):
+        wal.append(Kind.DETACH, i)
+    ticket = wal.flush()
+    gate.set()
+    assert ticket.result(5) == 40
+    stats = wal.stats()
+    assert stats.records_committed == 40 and stats.groups_committed >= 3
+    assert stats.last_group_size <= 16
