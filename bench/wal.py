@@ -161,7 +161,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
     ap.add_argument("--reps", type=int, default=5, help="alternating floor/wal repetitions per group size")
     ap.add_argument("--records", type=int, default=19_200, help="records per run at group 64")
-    ap.add_argument("--window", type=int, default=4, help="flush tickets outstanding in the wal loop")
+    ap.add_argument("--window", type=int, default=2, help="flush tickets outstanding in the wal loop")
     ap.add_argument("--dir", default=None, help="directory for the temporary environments")
     args = ap.parse_args()
 
