@@ -136,14 +136,18 @@ def bandwidth(args) -> dict:
                     acc.append(_timed(fn))
             return ours, floor
 
-        o, f = run("demote", demote, floor_copy)
-        out["demote_device_host"] = _summary(o, f, nbytes, {"floor": "torch copy_ of a contiguous tensor"})
-        o, f = run("spill", spill, floor_write)
-        out["spill_host_disk"] = _summary(o, f, nbytes, {"floor": "pwrite + fsync of one file, per batch",
-                                                         "durable": "fdatasync per batch"})
-        o, f = run("promote", promote, floor_read, prep=_drop_caches)
-        out["promote_disk_device"] = _summary(o, f, nbytes, {"floor": "cold sequential preadv of one file",
-                                                             "cold": cold["method"], "verified": True})
+        wanted = args.paths.split(",")
+        if "demote_device_host" in wanted:
+            o, f = run("demote", demote, floor_copy)
+            out["demote_device_host"] = _summary(o, f, nbytes, {"floor": "torch copy_ of a contiguous tensor"})
+        if "spill_host_disk" in wanted or "promote_disk_device" in wanted:
+            o, f = run("spill", spill, floor_write)
+            out["spill_host_disk"] = _summary(o, f, nbytes, {"floor": "pwrite + fsync of one file, per batch",
+                                                             "durable": "fdatasync per batch"})
+        if "promote_disk_device" in wanted:
+            o, f = run("promote", promote, floor_read, prep=_drop_caches)
+            out["promote_disk_device"] = _summary(o, f, nbytes, {"floor": "cold sequential preadv of one file",
+                                                                 "cold": cold["method"], "verified": True})
         os.close(fd)
         os.unlink(floor_path)
     finally:
@@ -175,6 +179,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--batches", type=int, default=4, help="batches per rep")
     ap.add_argument("--batch-blocks", type=int, default=64)
+    ap.add_argument("--paths", default="demote_device_host,spill_host_disk,promote_disk_device",
+                    help="bandwidth paths to run (comma-separated)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated: " + ",".join(SECTIONS))
     args = ap.parse_args(argv)
     result = {"bench": "tiers"}

@@ -115,7 +115,7 @@ class TierStore:
         except BaseException:
             self._close_pools()
             raise
-        self._helper = ThreadPoolExecutor(2, thread_name_prefix="prefixd-storage-io")
+        self._helper = ThreadPoolExecutor(movement.HELPER_THREADS, thread_name_prefix="prefixd-storage-io")
         self._async = ThreadPoolExecutor(1, thread_name_prefix="prefixd-storage-async")
         self._staging = Staging(layout.block_bytes, pin=cuda) if Tier.DISK in self._pools else None
         log.info("tier store open name=%s blocks=%s block_bytes=%d", self.name,
