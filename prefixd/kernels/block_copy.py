@@ -17,11 +17,10 @@ import triton
 import triton.language as tl
 
 from prefixd.kernels.checks import check_copy_args
-from prefixd.kernels.launch import cdiv, kernel_for
+from prefixd.kernels.launch import as_bits, cdiv, kernel_for
 
 # Elements per program: 16 KiB of fp16 per program keeps a GPU's loads wide and programs few.
 _BLOCK = 8192
-_AS_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @triton.jit
@@ -70,16 +69,13 @@ def copy_blocks(
             f"the Triton block copy needs both pools on one device, got {src.device} and "
             f"{dst.device}; use the reference (index_select + copy) across devices"
         )
-    as_int = _AS_INT.get(src.element_size())
-    if as_int is None:
-        raise ValueError(f"cannot copy elements of {src.element_size()} bytes")
     num_pairs = src_slots.shape[0]
     block_numel = src[0].numel()
     if num_pairs == 0 or block_numel == 0:
         return
     kernel = kernel_for(_copy_blocks_kernel, src.device)
     kernel[(num_pairs, cdiv(block_numel, _BLOCK))](
-        src.view(as_int), dst.view(as_int), src_slots, dst_slots,
+        as_bits(src), as_bits(dst), src_slots, dst_slots,
         src.stride(0), dst.stride(0),
         block_numel,
         BLOCK=_BLOCK,

@@ -127,7 +127,8 @@ def _paged_decode_kernel(
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if SPLIT:
         row = (seq * num_q_heads + heads) * num_splits + split
-        tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=mask_g)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=mask_g)
         tl.store(
             part_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :],
             acc,

@@ -88,6 +88,21 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` reinterpreted as integers of its element width (copies then work for any dtype).
+
+    Raises:
+        ValueError: for an element size with no integer twin.
+    """
+    bits = _BITS.get(t.element_size())
+    if bits is None:
+        raise ValueError(f"cannot copy elements of {t.element_size()} bytes ({t.dtype})")
+    return t.view(bits)
+
+
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= ``n`` (and >= 1)."""
     return 1 << max(0, (int(n) - 1).bit_length())

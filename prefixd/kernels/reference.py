@@ -24,6 +24,7 @@ from prefixd.kernels.checks import (
     check_copy_args,
     check_kv_write_args,
 )
+from prefixd.kernels.launch import as_bits
 
 # Bytes of gathered K+V per chunk of sequences in the decode reference (fits a server LLC).
 _CHUNK_BYTES = 16 << 20
@@ -246,5 +247,5 @@ def copy_blocks_reference(
     if torch.unique(dst_slots).numel() != dst_slots.numel():
         raise ValueError("dst_slots lists a slot twice: the result would depend on order")
     if src_slots.numel():
-        blocks = src.index_select(0, src_slots.to(torch.int64))
-        dst.index_copy_(0, dst_slots.to(torch.int64), blocks.to(dst.device))
+        blocks = as_bits(src).index_select(0, src_slots.to(torch.int64))
+        as_bits(dst).index_copy_(0, dst_slots.to(torch.int64), blocks.to(dst.device))
