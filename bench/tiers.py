@@ -81,7 +81,10 @@ def bandwidth(args) -> dict:
         gen = torch.Generator().manual_seed(0)
         for b in range(0, total, 16):
             dev[b:b + 16].copy_(torch.randn(dev[b:b + 16].shape, generator=gen).to(dev.dtype))
-        batches = lambda: [rng.sample(range(total), total)[i:i + n_blocks] for i in range(0, total, n_blocks)]  # noqa: E731
+
+        def batches():
+            perm = rng.sample(range(total), total)
+            return [perm[i:i + n_blocks] for i in range(0, total, n_blocks)]
 
         # floors work on one contiguous batch-set of the same bytes
         src = torch.empty(total, LAYOUT.block_numel, dtype=LAYOUT.torch_dtype()).copy_(dev.view(total, -1))
@@ -164,7 +167,8 @@ def bandwidth(args) -> dict:
     return {
         "layout": {"model_id": LAYOUT.model_id, "block_bytes": LAYOUT.block_bytes, "dtype": LAYOUT.dtype},
         "batch_blocks": n_blocks, "batches_per_rep": n_batch, "reps": args.reps, "slots": "shuffled",
-        "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(), **out,
+        "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
+        "loadavg_1m_after": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(), **out,
     }
 
 
