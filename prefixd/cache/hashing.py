@@ -29,11 +29,7 @@ def namespace_hash(root: bytes, extra: bytes) -> bytes:
     return _h128(root + b"extra\x00" + extra) if extra else root
 
 
-def chain_hashes(parent_hash: bytes, tokens: bytes, block_bytes: int) -> list[bytes]:
+def chain_hashes(parent_hash: bytes, tokens: bytes, block_bytes: int, _h=_h128) -> list[bytes]:
     """Hashes of consecutive full blocks of packed tokens, chained from ``parent_hash``."""
-    out = []
     h = parent_hash
-    for start in range(0, len(tokens), block_bytes):
-        h = _h128(h + tokens[start:start + block_bytes])
-        out.append(h)
-    return out
+    return [h := _h(h + tokens[s:s + block_bytes]) for s in range(0, len(tokens), block_bytes)]

@@ -7,7 +7,8 @@ from typing import NamedTuple
 
 from prefixd.api.layout import as_token_bytes
 from prefixd.cache import events as ev
-from prefixd.cache.events import SeqOpened, SeqReleased
+from prefixd.cache.events import (BlocksDropped, BlocksStored, SeqCommitted, SeqExtended,
+                                  SeqOpened, SeqReleased, new_event)
 from prefixd.cache.errors import InvalidTokens, OutOfBlocks, UnknownSequence
 from prefixd.cache.node import DEVICE
 from prefixd.cache.policy import make_policy
@@ -157,7 +158,7 @@ class PrefixCache:
         stats.opens += 1
         stats.requested_tokens += num_tokens
         stats.hit_tokens += num_cached * bs
-        self.events.append(SeqOpened(seq_id, num_tokens, num_cached, deepest_hash, extra))
+        self.events.append(new_event(SeqOpened, (seq_id, num_tokens, num_cached, deepest_hash, extra)))
         return seq
 
     def extend(self, seq_id: int, tokens) -> list[int]:
@@ -181,7 +182,7 @@ class PrefixCache:
             self._copy_on_write(seq, new_slot)
         table += slots
         seq.tokens += add
-        self.events.append(ev.SeqExtended(seq_id, len(seq.tokens) >> 2))
+        self.events.append(new_event(SeqExtended, (seq_id, len(seq.tokens) >> 2)))
         return slots
 
     def commit(self, seq_id: int) -> int:
@@ -190,7 +191,10 @@ class PrefixCache:
         Returns the number of blocks that entered the index. Where another sequence indexed the
         same blocks first, this sequence's table switches to the index's slots.
         """
-        return self._commit(self.sequence(seq_id))
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequence(seq_id)
+        return self._commit(seq)
 
     def fork(self, seq_id: int, num_children: int) -> list[Sequence]:
         """``num_children`` new sequences sharing every block of ``seq_id``.
@@ -232,7 +236,7 @@ class PrefixCache:
         if seq.dup_slots:
             owned += seq.dup_slots
         self.device.free(owned)
-        self.events.append(SeqReleased(seq_id))
+        self.events.append(new_event(SeqReleased, (seq_id,)))
 
     def evict(self, num_blocks: int) -> int:
         """Free up to ``num_blocks`` unreferenced device blocks now; returns how many."""
@@ -270,9 +274,7 @@ class PrefixCache:
             slots, forgotten = tree.drop_residency(node, DEVICE)
             self.device.free(slots)
             freed += len(slots)
-            events.append(ev.BlocksDropped(DEVICE, node.hashes, slots))
-            if forgotten:
-                events.append(ev.BlocksForgotten(node.hashes))
+            events.append(new_event(BlocksDropped, (DEVICE, node.hashes, slots, forgotten)))
         self.stats.evicted_blocks += freed
         self.stats.evict_ns += time.perf_counter_ns() - start
         return freed
@@ -287,23 +289,22 @@ class PrefixCache:
         ours = table[first:num_full]
         node = seq.node
         new_tokens = bytes(memoryview(seq.tokens)[first * bb:num_full * bb])
-        deepest, tree_slots, new_nodes = self.tree.insert(node, new_tokens, ours)
+        deepest, tree_slots, new = self.tree.insert(node, new_tokens, ours)
         if tree_slots is not ours:
             for i, (mine, theirs) in enumerate(zip(ours, tree_slots)):
                 if mine != theirs:
                     seq.dup_slots.append(mine)
                     table[first + i] = theirs
-        if deepest is not node:
-            self.tree.lock(deepest)
-            self.tree.unlock(node)
-            seq.node = deepest
+        self.tree.unlock(node)  # insert locked ``deepest``, always a descendant of ``node``
+        seq.node = deepest
         seq.num_indexed = num_full
         events = self.events
-        for new in new_nodes:
-            events.append(ev.BlocksStored(new.parent.hashes[-1], new.hashes, new.tokens, new.slots[DEVICE]))
-        events.append(ev.SeqCommitted(seq.id, num_full, deepest.hashes[-1]))
-        added = sum(n.num_blocks for n in new_nodes)
-        self.stats.committed_blocks += added
+        added = 0
+        if new is not None:
+            events.append(new_event(BlocksStored, (new.parent.hashes[-1], new.hashes, new.tokens, new.slots[DEVICE])))
+            added = new.num_blocks
+            self.stats.committed_blocks += added
+        events.append(new_event(SeqCommitted, (seq.id, num_full, deepest.hashes[-1])))
         return added
 
     def _copy_on_write(self, seq: Sequence, new_slot: int) -> None:

@@ -103,17 +103,18 @@ class RadixTree:
 
     # -- insertion -----------------------------------------------------------------------
 
-    def insert(self, node: Node, tokens: bytes, slots: list[int]) -> tuple[Node, list[int], list[Node]]:
+    def insert(self, node: Node, tokens: bytes, slots: list[int]) -> tuple[Node, list[int], Node | None]:
         """Index full blocks ``tokens`` (device-resident at ``slots``) below ``node``.
 
         Blocks already in the tree are not stored twice: where the tree has them on device the
         caller must switch to the tree's slots; where it has them only in lower tiers, the
-        caller's device slots become their device copy.
+        caller's device slots become their device copy. The deepest node comes back locked
+        once for the caller (who moves its lock there from ``node``).
 
         Returns:
-            ``(deepest, tree_slots, new_nodes)``: the node holding the last block, the device
-            slot of each given block in the tree afterwards (``slots`` itself when nothing was
-            already there), and the nodes created.
+            ``(deepest, tree_slots, new)``: the node holding the last block, the device slot of
+            each given block in the tree afterwards (``slots`` itself when nothing was already
+            there), and the node created (``None`` when every block was already indexed).
         """
         bb = self.block_bytes
         self.clock += 1
@@ -137,18 +138,24 @@ class RadixTree:
             node = child
             pos += k * bb
         if pos == n:
-            return node, tree_slots, []
+            self.lock(node)
+            return node, tree_slots, None
         first = pos // bb
         rest = tokens[pos:] if pos else tokens
+        mine = slots[first:] if first else slots
         new = Node(node, rest[:bb], rest, (n - pos) // bb,
-                   chain_hashes(node.hashes[-1], rest, bb), [None, None, None], clock)
+                   chain_hashes(node.hashes[-1], rest, bb), [mine, None, None], clock)
+        new.lock_ref = 1  # locked for the caller before it can enter an eviction queue
         node.children[new.key] = new
-        self.set_residency(new, DEVICE, slots[first:] if first else slots)
+        self.num_blocks_in[DEVICE] += new.num_blocks
+        node.kids_in[DEVICE] += 1
+        if node.heap_tag[DEVICE]:
+            self.queues[DEVICE].discard(node)
         if tree_slots is not None:
-            tree_slots += new.slots[DEVICE]
+            tree_slots += mine
         else:
             tree_slots = slots
-        return new, tree_slots, [new]
+        return new, tree_slots, new
 
     # -- residency and eviction ----------------------------------------------------------
 
@@ -199,7 +206,7 @@ class RadixTree:
         return self.queues[tier].pop()
 
     def lock(self, node: Node) -> None:
-        if not node.lock_ref and node.parent is not None:
+        if not node.lock_ref and node.heap_tag[DEVICE]:
             self.queues[DEVICE].discard(node)
         node.lock_ref += 1
 

@@ -1,7 +1,7 @@
 """Random open / extend / commit / fork / release / evict against a plain model.
 
 The model knows which block-aligned prefixes are indexed (it learns of evictions only from the
-cache's BlocksForgotten events, named by hashes it computes itself), so after every step:
+cache's BlocksDropped(forgotten=True) events, named by hashes it computes itself), so after every step:
 a new sequence's cached tokens equal the model's longest cached prefix; every live sequence's
 KV (a deterministic function of its prefix, in a tiny data pool) is intact, so a shared block's
 bytes never change and copy-on-write works; and ``check_invariants`` holds (refcounts equal
@@ -44,7 +44,7 @@ class CacheMachine(RuleBasedStateMachine):
             if isinstance(e, ev.BlocksStored):
                 for h in e.hashes:
                     self.indexed[h] = True
-            elif isinstance(e, ev.BlocksForgotten):
+            elif isinstance(e, ev.BlocksDropped) and e.forgotten:
                 for h in e.hashes:
                     del self.indexed[h]
 
