@@ -10,9 +10,9 @@ Disk: one ``pwritev``/``preadv`` per run of consecutive disk slots (up to IOV_MA
 write hashes each source chunk (``CHUNK_BYTES``) and hands it to a helper thread to ``pwritev``
 while the next chunk is hashed. A read first asks the kernel for every run of the batch
 (``POSIX_FADV_WILLNEED``: measured 0.42-0.56 -> 0.71-0.79 of a cold sequential read with
-shuffled slots), then each helper thread reads its half of the batch, run by run, into its own
-~1 MiB staging buffer, hashes it there (still in cache), checks it against its expected
-checksum and copies it on, so a corrupt block never reaches the destination.
+shuffled slots), then the helper threads read the batch in disk order, a piece of consecutive slots at a
+time, each into its own ~1 MiB staging buffer, hash it there (still in cache), check it against
+its expected checksum and copy it on, so a corrupt block never reaches the destination.
 
 NOTE: CPU copies are a Python loop over runs of ``ctypes.memmove`` (which drops the GIL), not
 ``index_select``/``index_copy_``. Measured on this 2-core host with 2 MiB blocks: a contiguous
@@ -216,28 +216,28 @@ class Staging:
         self.rows = [b.numpy() for b in self.buffers]
 
 
-def _read_part(disk: DiskPool, src_slots, dst, dst_slots, verify, lo: int, hi: int, buf, rows, cap: int):
-    """Read positions ``[lo, hi)`` run by run through one staging buffer; returns (sums, oks)."""
-    sums: list[int] = []
-    oks: list[bool] = []
-    for pos, first, length in runs(src_slots, lo, hi):
-        for off in range(0, length, cap):
-            n = min(cap, length - off)
-            disk.read_run(first + off, rows[:n])
-            found = checksum.checksum_rows(rows, range(n))
-            p0 = pos + off
-            good = checksum.compare(found, verify[p0:p0 + n]) if verify is not None else [True] * n
-            sums.extend(found)
-            oks.extend(good)
-            keep = [i for i in range(n) if good[i]]
-            if keep and dst is not None:
-                _place(buf, rows, keep, dst, dst_slots[p0:p0 + n])
-    return sums, oks
+def _read_pieces(disk: DiskPool, src_slots, dst, dst_slots, verify, pieces, buf, rows, sums, oks) -> None:
+    """Read each piece (positions of consecutive disk slots) through one staging buffer;
+    fills ``sums[pos]`` and ``oks[pos]``."""
+    for piece in pieces:
+        n = len(piece)
+        disk.read_run(src_slots[piece[0]], rows[:n])
+        keep = []
+        for i, pos in enumerate(piece):
+            found = sums[pos] = checksum.checksum(rows[i])
+            oks[pos] = good = verify is None or found == verify[pos]
+            if good:
+                keep.append(i)
+        if keep and dst is not None:
+            _place(buf, rows, keep, dst, [dst_slots[pos] for pos in piece])
 
 
 def read_from_disk(disk: DiskPool, src_slots: Sequence[int], dst, dst_slots: Sequence[int],
                    verify: Sequence[int] | None, staging: Staging, helper: Executor) -> CopyResult:
     """Read blocks into ``dst`` through staging, checking them.
+
+    Blocks are read in disk order (the order the prefetch asked for them), in pieces of
+    consecutive disk slots that fit one staging buffer, dealt round-robin to the helper threads.
 
     Args:
         dst: a uint8 tensor ``[slots, block_bytes]`` (``TensorPool.raw``), a DiskPool, or
@@ -253,14 +253,21 @@ def read_from_disk(disk: DiskPool, src_slots: Sequence[int], dst, dst_slots: Seq
     if PREFETCH:  # in disk order, merged: the block layer sees mostly sequential requests
         for _, first, length in runs(sorted(src_slots)):
             disk.prefetch(first, length)
-    step = max(1, -(-n // HELPER_THREADS))
+    pieces: list[list[int]] = []
+    for pos in sorted(range(n), key=src_slots.__getitem__):
+        last = pieces[-1] if pieces else None
+        if last and len(last) < staging.blocks and src_slots[pos] == src_slots[last[-1]] + 1:
+            last.append(pos)
+        else:
+            pieces.append([pos])
+    sums: list = [0] * n
+    oks: list = [False] * n
     with staging.lock:
-        parts = [helper.submit(_read_part, disk, src_slots, dst, dst_slots, verify, lo, min(lo + step, n),
-                               staging.buffers[k], staging.rows[k], staging.blocks)
-                 for k, lo in enumerate(range(0, n, step))]
-        results = [f.result() for f in parts]
-    sums = [c for part, _ in results for c in part]
-    oks = [o for _, part in results for o in part]
+        parts = [helper.submit(_read_pieces, disk, src_slots, dst, dst_slots, verify, pieces[k::HELPER_THREADS],
+                               staging.buffers[k], staging.rows[k], sums, oks)
+                 for k in range(min(HELPER_THREADS, len(pieces)))]
+        for f in parts:
+            f.result()
     return CopyResult(sums, oks if verify is not None else None)
 
 
