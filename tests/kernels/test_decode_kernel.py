@@ -33,9 +33,8 @@ def _check(dtype, head_dim, block_size, group, lens, device, **kwargs):
         dtype=dtype, device=device,
     )
     got = paged_decode(q, k, v, tables, seq_lens, **kwargs)
-    want = reference.paged_decode_reference(q.cpu(), k.cpu(), v.cpu(), tables.cpu(),
-                                            seq_lens.cpu())
-    torch.testing.assert_close(got.cpu(), want, **TOLERANCES[dtype])
+    want = reference.paged_decode_reference(q, k, v, tables, seq_lens)
+    torch.testing.assert_close(got, want, **TOLERANCES[dtype])
 
 
 @pytest.mark.parametrize("dtype,head_dim,block_size,group,lens", CASES,
