@@ -91,6 +91,21 @@ def check_cache(cache) -> None:
     assert not (set(private) & set(owners)), "a slot is both private and indexed"
     used = set(owners) | set(private) | set(tails)
     assert used == cache.device.used_slots(), "used device slots != index + sequences"
+    for tier in (1, 2):
+        alloc = cache.allocators[tier]
+        held: Counter = Counter()
+        for node in nodes.values():
+            if node.slots[tier] is not None:
+                held.update(node.slots[tier])
+        if alloc is None:
+            assert not held, f"blocks resident in absent tier {tier}"
+            continue
+        alloc.check_invariants()
+        assert all(c == 1 for c in held.values()), f"a tier-{tier} slot is in the index twice"
+        assert set(held) == alloc.used_slots(), f"tier-{tier} used slots != slots in the index"
+    for node in nodes.values():
+        if node.slots[2] is not None and cache.data is not None:
+            assert node.checksums is not None, "a block on disk has no checksum"
 
 
 def block_ref_counts(cache) -> dict[int, int]:

@@ -21,23 +21,31 @@ class CacheStats:
     """Counters (the daemon exports them as metrics)."""
 
     __slots__ = ("requested_tokens", "hit_tokens", "opens", "evicted_blocks", "evict_ns",
-                 "cow_blocks", "committed_blocks")
+                 "cow_blocks", "committed_blocks", "corrupt_blocks", "hit_tokens_by_tier")
 
     def __init__(self) -> None:
         for name in self.__slots__:
             setattr(self, name, 0)
+        self.hit_tokens_by_tier = [0, 0, 0]  # promoted from host [1] / disk [2]; [0] unused
 
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.requested_tokens if self.requested_tokens else 0.0
 
     def as_dict(self) -> dict:
-        return {name: getattr(self, name) for name in self.__slots__} | {"hit_rate": self.hit_rate}
+        out = {name: getattr(self, name) for name in self.__slots__}
+        _, host, disk = self.hit_tokens_by_tier
+        out["hit_tokens_by_tier"] = {"device": self.hit_tokens - host - disk, "host": host, "disk": disk}
+        return out | {"hit_rate": self.hit_rate}
 
 
 class LookupResult(NamedTuple):
+    """Cached tokens of a prompt, and how many of them each tier would serve (best tier)."""
+
     cached_tokens: int
     device_tokens: int
+    host_tokens: int
+    disk_tokens: int
 
 
 class PrefixCache:
@@ -52,24 +60,44 @@ class PrefixCache:
     hit compares token bytes, never hashes.
 
     Args:
-        num_blocks: device pool size in blocks.
+        num_blocks: device pool size in blocks, or ``(device, host, disk)`` sizes; a lower tier
+            of size 0 is absent.
         block_size: tokens per block.
         root_hash: the namespace root (``hashing.root_hash`` of the persisted seed, the tenant
             salt and the layout digest).
         policy: eviction order, ``"lru"``, ``"lfu"`` or ``"priority"``.
-        data: optional byte mover with ``copy_within(tier, src_slots, dst_slots)``, called for
-            copy-on-write; ``None`` when there are no bytes (index-only benchmarks).
+        data: the byte mover (a ``prefixd.storage.TierStore``): ``copy_within`` for
+            copy-on-write, ``copy`` between tiers; ``None`` when there are no bytes (index-only
+            benchmarks). When it has ``allocator(tier)``, its allocators are used.
+        write_policy, selective_hits: see ``prefixd.cache.tiering``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16, *, root_hash: bytes = b"\x00" * 16,
-                 policy: str = "lru", data=None) -> None:
+    def __init__(self, num_blocks, block_size: int = 16, *, root_hash: bytes = b"\x00" * 16,
+                 policy: str = "lru", data=None, write_policy: str = "write_through",
+                 selective_hits: int = 2) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        sizes = [num_blocks, 0, 0] if isinstance(num_blocks, int) else list(num_blocks) + [0] * (3 - len(num_blocks))
+        if len(sizes) != 3 or any(not isinstance(n, int) or n < 0 for n in sizes) or sizes[0] < 1:
+            raise ValueError(f"num_blocks must be a positive int or (device, host, disk) sizes, got {num_blocks!r}")
         self.block_size = block_size
         self.block_bytes = block_size * 4
-        self.tree = RadixTree(block_size, root_hash, make_policy(policy))
-        self.device = SlotAllocator(num_blocks)
+        if data is not None and hasattr(data, "allocator"):
+            self.allocators = [data.allocator(t) if n else None for t, n in enumerate(sizes)]
+            assert all(a is None or a.num_slots == n for a, n in zip(self.allocators, sizes)), \
+                "num_blocks differs from the store's pool sizes"
+        else:
+            self.allocators = [SlotAllocator(n) if n else None for n in sizes]
+        self.device = self.allocators[DEVICE]
+        tiers = [t for t, a in enumerate(self.allocators) if a is not None]
+        self.tree = RadixTree(block_size, root_hash, make_policy(policy), tiers)
         self.data = data
+        self.on_deferred_shortage = None  # the durable engine commits the WAL and reclaims
+        self.tiering = None
+        if len(tiers) > 1 or write_policy != "write_through":
+            from prefixd.cache.tiering import Tiering
+
+            self.tiering = Tiering(self, data, write_policy, selective_hits)
         self.stats = CacheStats()
         self.events: list = []
         self._seqs: dict[int, Sequence] = {}
@@ -92,13 +120,11 @@ class PrefixCache:
         """Cached tokens for ``tokens``, without pinning or touching anything."""
         tokens = self._tokens(tokens)
         pairs = self.tree.peek(self.tree.root(extra), tokens, len(tokens) // self.block_bytes)
-        total = sum(k for _, k in pairs) * self.block_size
-        device = 0
+        by_tier = [0, 0, 0]
         for node, k in pairs:
-            if node.slots[DEVICE] is None:
-                break
-            device += k
-        return LookupResult(total, device * self.block_size)
+            best = next(t for t in range(3) if node.slots[t] is not None)
+            by_tier[best] += k * self.block_size
+        return LookupResult(sum(by_tier), *by_tier)
 
     def drain_events(self) -> list:
         out, self.events = self.events, []
@@ -125,6 +151,8 @@ class PrefixCache:
         tree = self.tree
         root = tree.roots.get(extra) or tree.root(extra)
         path = tree.match(root, tokens, (num_tokens - 1) // bs)
+        if path and path[-1].slots[DEVICE] is None:
+            path = self.tiering.promote(path)
         if path:
             node = path[-1]
             if len(path) == 1:
@@ -238,9 +266,14 @@ class PrefixCache:
         self.device.free(owned)
         self.events.append(new_event(SeqReleased, (seq_id,)))
 
-    def evict(self, num_blocks: int) -> int:
-        """Free up to ``num_blocks`` unreferenced device blocks now; returns how many."""
-        return self._evict(num_blocks)
+    def evict(self, num_blocks: int, tier: int = DEVICE) -> int:
+        """Evict at least ``num_blocks`` unreferenced blocks of ``tier`` if there are that many
+        (whole runs, so possibly more); returns how many were freed."""
+        if tier == DEVICE:
+            return self._evict(num_blocks)
+        if self.allocators[tier] is None:
+            raise ValueError(f"tier {tier} is not present")
+        return self.tiering.evict(tier, num_blocks)
 
     # -- internals -----------------------------------------------------------------------
 
@@ -265,6 +298,11 @@ class PrefixCache:
 
     def _evict(self, num_blocks: int) -> int:
         start = time.perf_counter_ns()
+        if self.tiering is not None:
+            freed = self.tiering.evict(DEVICE, num_blocks)
+            self.stats.evicted_blocks += freed
+            self.stats.evict_ns += time.perf_counter_ns() - start
+            return freed
         tree, freed = self.tree, 0
         events = self.events
         while freed < num_blocks:
@@ -304,6 +342,8 @@ class PrefixCache:
             events.append(new_event(BlocksStored, (new.parent.hashes[-1], new.hashes, new.tokens, new.slots[DEVICE])))
             added = new.num_blocks
             self.stats.committed_blocks += added
+            if self.tiering is not None:
+                self.tiering.write_through(new)
         events.append(new_event(SeqCommitted, (seq.id, num_full, deepest.hashes[-1])))
         return added
 

@@ -27,14 +27,16 @@ class RadixTree:
     inside a node splits it, so a match always ends on a node boundary and a sequence locks
     whole nodes.
 
-    A node is evictable from tier T when it is resident in T, no child is resident in T, and
-    (for the device tier) no sequence locks it. The queue of tier T holds exactly those nodes.
+    A node is evictable from tier T when it is resident in T, no child is resident in T, and no
+    sequence locks it. The queue of tier T holds exactly those nodes. (A sequence locks only its
+    deepest node; the path above it has a device-resident child, so it is safe on the device.)
 
     Invariants: see ``Node``; also ``num_blocks_in[T]`` is the number of blocks resident in T.
     """
 
-    def __init__(self, block_size: int, root_hash: bytes, policy) -> None:
+    def __init__(self, block_size: int, root_hash: bytes, policy, tiers=(DEVICE,)) -> None:
         self.block_size = block_size
+        self.tiers = tuple(tiers)  # the tiers present, device first
         self.block_bytes = block_size * 4
         self.root_hash = root_hash
         self.roots: dict[bytes, Node] = {}
@@ -161,7 +163,7 @@ class RadixTree:
 
     def _evictable(self, node: Node, tier: int) -> bool:
         return (node.parent is not None and node.slots[tier] is not None
-                and not node.kids_in[tier] and (tier != DEVICE or not node.lock_ref))
+                and not node.kids_in[tier] and not node.lock_ref)
 
     def set_residency(self, node: Node, tier: int, slots: list[int]) -> None:
         """Record that ``node``'s blocks now live in ``tier`` at ``slots``."""
@@ -206,14 +208,20 @@ class RadixTree:
         return self.queues[tier].pop()
 
     def lock(self, node: Node) -> None:
-        if not node.lock_ref and node.heap_tag[DEVICE]:
-            self.queues[DEVICE].discard(node)
+        """One more reference: the node leaves every eviction queue."""
+        if not node.lock_ref:
+            tags = node.heap_tag
+            if tags[0] or tags[1] or tags[2]:
+                for queue in self.queues:
+                    queue.discard(node)
         node.lock_ref += 1
 
     def unlock(self, node: Node) -> None:
         node.lock_ref -= 1
-        if not node.lock_ref and self._evictable(node, DEVICE):
-            self.queues[DEVICE].add(node)
+        if not node.lock_ref:
+            for tier in self.tiers:
+                if self._evictable(node, tier):
+                    self.queues[tier].add(node)
 
     def nodes(self):
         """Every non-root node, parents before children."""

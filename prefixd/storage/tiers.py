@@ -160,10 +160,10 @@ class TierStore:
         src_slots, dst_slots = list(src_slots), list(dst_slots)
         src, dst = self.pool(src_tier), self.pool(dst_tier)
         self._check_slots(src_tier, src_slots, dst_tier, dst_slots)
-        if verify is not None and src_tier is not Tier.DISK:
+        if verify is not None and src_tier != Tier.DISK:
             raise ValueError("verify= is for copies from DISK; memory tiers are not re-checked")
         if not src_slots:
-            return CopyResult([] if dst_tier is not Tier.DEVICE else None, [] if verify is not None else None)
+            return CopyResult([] if dst_tier != Tier.DEVICE else None, [] if verify is not None else None)
         if isinstance(src, DiskPool):
             target = dst if isinstance(dst, DiskPool) else dst.raw
             result = movement.read_from_disk(src, src_slots, target, dst_slots, verify, self._staging, self._helper)
@@ -172,8 +172,8 @@ class TierStore:
                                             dst, dst_slots, self._helper)
         else:
             result = movement.copy_tensors(src, src_slots, dst, dst_slots, self._helper,
-                                           want_checksums=dst_tier is not Tier.DEVICE)
-        if durable and dst_tier is Tier.DISK:
+                                           want_checksums=dst_tier != Tier.DEVICE)
+        if durable and dst_tier == Tier.DISK:
             self.sync(Tier.DISK)
         return result
 

@@ -56,3 +56,41 @@ class TokenPool:
         for p, v in enumerate(vals):
             got = self.data[table[p // bs], p % bs]
             assert got == v, f"position {p} (slot {table[p // bs]}) holds {got}, expected {v}"
+
+
+class StoreTokens:
+    """The ``TokenPool`` protocol over a real ``TierStore``: each token's value fills its
+    offset of the block (all layers, K and V), as float32 (values kept below 2**20, exact)."""
+
+    def __init__(self, store, block_size: int) -> None:
+        self.store = store
+        self.block_size = block_size
+
+    @staticmethod
+    def values(tokens: list[int]) -> list[int]:
+        return [v % (1 << 20) for v in TokenPool.values(tokens)]
+
+    def write(self, table: list[int], tokens: list[int], start: int) -> None:
+        bs = self.block_size
+        vals = self.values(tokens)
+        for b in range(start // bs, -(-len(tokens) // bs)):
+            block = self.store.read(0, [table[b]])
+            for p in range(max(start, b * bs), min(len(tokens), (b + 1) * bs)):
+                block[0, :, :, p % bs] = vals[p]
+            self.store.write(0, [table[b]], block)
+
+    def check(self, table: list[int], tokens: list[int]) -> None:
+        bs = self.block_size
+        vals = self.values(tokens)
+        if not tokens:
+            return
+        blocks = self.store.read(0, table[: -(-len(tokens) // bs)])
+        for p, v in enumerate(vals):
+            got = blocks[p // bs, :, :, p % bs]
+            assert bool((got == v).all()), f"position {p} (slot {table[p // bs]}) holds {got.flatten()[:2]}, expected {v}"
+
+
+def tiny_layout(block_size: int = 2):
+    from prefixd.api.layout import KVLayout
+
+    return KVLayout("tiny", num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32", block_size=block_size)

@@ -1,0 +1,284 @@
+"""Residency across tiers: demotion on eviction, write policies, promotion on a hit.
+
+The radix tree records where each run of blocks lives; this module decides when runs move and
+asks the storage layer (``TierStore``-like: ``copy(src_tier, src_slots, dst_tier, dst_slots,
+verify=...)`` returning checksums and per-block verdicts) to move their bytes. Without a store
+(index-only benchmarks) only the bookkeeping happens.
+
+Rules (DESIGN.md "The index: one radix tree across tiers"):
+
+* Eviction from tier T takes the queue's next node (unlocked, no child resident in T). If the
+  node is resident in no lower tier and the write policy keeps it, it is first copied to the
+  nearest lower tier present (with any ancestors missing there, so that tier stays
+  root-anchored); evicting from the bottom tier forgets.
+* ``write_through`` (default): a committed run is copied to every lower tier at commit.
+  ``write_back``: copied down only when evicted. ``selective``: like write_back, but only runs
+  hit at least ``selective_hits`` times are kept; the rest are forgotten.
+* A hit on host or disk promotes the matched run into device slots before ``open`` returns. A
+  block read from disk whose checksum fails is dropped from the index with every block below
+  it on disk; the match is cut there and never serves it.
+
+NOTE: a lock (a sequence referencing a node) keeps the node in every tier it is in, not just on
+the device: the demotion and promotion paths lock the runs they move, and that is how they keep
+a cascade of evictions in a lower tier from taking the run being moved.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prefixd.cache.events import BlocksDropped, BlocksMoved, new_event
+from prefixd.cache.node import DEVICE, DISK, HOST, TIER_NAMES, Node, split
+
+log = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("write_through", "write_back", "selective")
+
+
+class Tiering:
+    """Moves runs between the tiers of one cache.
+
+    Args:
+        cache: the owning ``PrefixCache`` (its tree, allocators, events and stats).
+        store: byte mover, or ``None`` for bookkeeping only.
+        write_policy: one of ``WRITE_POLICIES``.
+        selective_hits: the hit count from which ``selective`` keeps a run.
+    """
+
+    def __init__(self, cache, store, write_policy: str = "write_through", selective_hits: int = 2) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        if selective_hits < 1:
+            raise ValueError(f"selective_hits must be >= 1, got {selective_hits}")
+        self.cache = cache
+        self.tree = cache.tree
+        self.allocs = cache.allocators
+        self.store = store
+        self.write_policy = write_policy
+        self.selective_hits = selective_hits
+        self.lower = [t for t in (HOST, DISK) if self.allocs[t] is not None]
+        self.defer_frees = False  # set by the durable engine: lower-tier slots wait for the WAL
+
+    # -- allocation and eviction ----------------------------------------------------------
+
+    def allocate(self, tier: int, n: int) -> list[int] | None:
+        """``n`` slots of ``tier``, evicting there as needed; ``None`` if they cannot be had."""
+        alloc = self.allocs[tier]
+        slots = alloc.allocate(n)
+        if slots is None:
+            self.evict(tier, n - alloc.num_free)
+            slots = alloc.allocate(n)
+            if slots is None and alloc.num_deferred and self.cache.on_deferred_shortage:
+                self.cache.on_deferred_shortage()
+                slots = alloc.allocate(n)
+        return slots
+
+    def evict(self, tier: int, num_blocks: int) -> int:
+        """Free at least ``num_blocks`` slots of ``tier`` if the queue allows; returns freed."""
+        tree, freed = self.tree, 0
+        while freed < num_blocks:
+            node = tree.pop_victim(tier)
+            if node is None:
+                break
+            if self._keeps(node, tier):
+                tree.lock(node)  # the cascade below must not take the victim
+                try:
+                    self.write_down(node, self._next_lower(tier))
+                    freed += self.drop(node, tier)
+                finally:
+                    tree.unlock(node)  # re-queues it in the tier it went down to
+            else:
+                freed += self.drop(node, tier)
+        return freed
+
+    def drop(self, node: Node, tier: int) -> int:
+        """Forget ``node``'s copy in ``tier`` and free its slots; returns how many."""
+        slots, forgotten = self.tree.drop_residency(node, tier)
+        alloc = self.allocs[tier]
+        if tier != DEVICE and self.defer_frees:
+            alloc.defer_free(slots)
+        else:
+            alloc.free(slots)
+        self.cache.events.append(new_event(BlocksDropped, (tier, node.hashes, slots, forgotten)))
+        if forgotten:
+            node.checksums = None
+        return len(slots)
+
+    def _keeps(self, node: Node, tier: int) -> bool:
+        """Whether evicting ``node`` from ``tier`` copies it down first."""
+        if tier == DISK or self._next_lower(tier) is None:
+            return False
+        if any(node.slots[t] is not None for t in range(tier + 1, 3)):
+            return False
+        if self.write_policy == "selective":
+            return node.hit_count >= self.selective_hits
+        return True
+
+    def _next_lower(self, tier: int) -> int | None:
+        for t in self.lower:
+            if t > tier:
+                return t
+        return None
+
+    # -- moving bytes down ---------------------------------------------------------------
+
+    def write_down(self, node: Node, tier: int | None) -> bool:
+        """Copy ``node`` (and its ancestors missing there) into ``tier``; best effort.
+
+        Returns whether ``node`` is resident in ``tier`` afterwards.
+        """
+        if tier is None:
+            return False
+        chain = []
+        up = node
+        while up.parent is not None and up.slots[tier] is None:
+            chain.append(up)
+            up = up.parent
+        if not chain:
+            return True
+        chain.reverse()
+        anchor = up  # already in ``tier`` (or a root): must stay there during the cascade
+        for n in (anchor, *chain):
+            self.tree.lock(n)
+        try:
+            need = sum(n.num_blocks for n in chain)
+            slots = self.allocate(tier, need)
+            if slots is None:
+                log.debug("write-down skipped tier=%s blocks=%d: no room", TIER_NAMES[tier], need)
+                return False
+            self._copy_into(chain, tier, slots)
+            return True
+        finally:
+            for n in (anchor, *chain):
+                self.tree.unlock(n)
+
+    def _copy_into(self, chain: list[Node], tier: int, slots: list[int]) -> None:
+        """Copy each run of ``chain`` from its highest tier into ``tier`` at ``slots``."""
+        checksums = None
+        store = self.store
+        if store is not None:
+            checksums = []
+            by_src: dict[int, tuple[list[int], list[int]]] = {}
+            pos = 0
+            for n in chain:
+                src = next(t for t in range(3) if n.slots[t] is not None)
+                s, d = by_src.setdefault(src, ([], []))
+                s += n.slots[src]
+                d += slots[pos:pos + n.num_blocks]
+                pos += n.num_blocks
+            results = {}
+            for src, (s, d) in by_src.items():
+                verify = self._checksums_of(chain, src) if src == DISK else None
+                results[src] = store.copy(src, s, tier, d, verify=verify)
+            # checksums per run, in chain order (bytes are the same in every tier)
+            cursor = {src: 0 for src in by_src}
+            for n in chain:
+                src = next(t for t in range(3) if n.slots[t] is not None)
+                i = cursor[src]
+                cursor[src] = i + n.num_blocks
+                sums = results[src].checksums
+                checksums.append(sums[i:i + n.num_blocks] if sums is not None else None)
+        pos = 0
+        for k, n in enumerate(chain):
+            mine = slots[pos:pos + n.num_blocks]
+            pos += n.num_blocks
+            if checksums is not None and checksums[k] is not None:
+                n.checksums = checksums[k]
+            self.tree.set_residency(n, tier, mine)
+            self.cache.events.append(new_event(BlocksMoved, (tier, n.hashes, mine, n.checksums or [])))
+
+    @staticmethod
+    def _checksums_of(chain: list[Node], src: int) -> list[int]:
+        out = []
+        for n in chain:
+            if n.slots[src] is not None:
+                out += n.checksums
+        return out
+
+    def write_through(self, node: Node) -> None:
+        """A newly indexed run goes down to every lower tier (``write_through`` policy)."""
+        if self.write_policy != "write_through":
+            return
+        for tier in self.lower:
+            self.write_down(node, tier)
+
+    # -- promotion -----------------------------------------------------------------------
+
+    def promote(self, path: list[Node]) -> list[Node]:
+        """Bring the matched ``path`` onto the device; returns the part that was promoted.
+
+        The path is cut at the first run that cannot be had (no device room, or a checksum
+        failure on disk); what is returned is entirely device-resident.
+        """
+        first = next(i for i, n in enumerate(path) if n.slots[DEVICE] is None)
+        for n in path:
+            self.tree.lock(n)
+        try:
+            need = sum(n.num_blocks for n in path[first:])
+            slots = self._device_slots(need)
+            if slots is None:
+                return path[:first]
+            return path[:first] + self._promote_runs(path[first:], slots)
+        finally:
+            for n in path:
+                self.tree.unlock(n)
+
+    def _device_slots(self, need: int) -> list[int] | None:
+        alloc = self.allocs[DEVICE]
+        slots = alloc.allocate(need)
+        if slots is None:
+            self.evict(DEVICE, need - alloc.num_free)
+            slots = alloc.allocate(need)
+        return slots
+
+    def _promote_runs(self, runs: list[Node], slots: list[int]) -> list[Node]:
+        stats = self.cache.stats
+        bs = self.cache.block_size
+        store = self.store
+        done: list[Node] = []
+        pos = 0
+        for n in runs:
+            src = HOST if n.slots[HOST] is not None else DISK
+            dst = slots[pos:pos + n.num_blocks]
+            good = n.num_blocks
+            if store is not None:
+                verify = n.checksums if src == DISK else None
+                result = store.copy(src, n.slots[src], DEVICE, dst, verify=verify)
+                bad = result.bad_positions
+                if bad:
+                    good = bad[0]
+                    log.warning("disk checksum mismatch: %d block(s) dropped, first slot=%d",
+                                len(bad), n.slots[src][good])
+                    stats.corrupt_blocks += len(bad)
+            if good < n.num_blocks:
+                if good:
+                    head = split(n, good, self.tree.block_bytes)  # n keeps the bad tail
+                    self.tree.set_residency(head, DEVICE, dst[:good])
+                    self._moved(head, DEVICE)
+                    stats.hit_tokens_by_tier[src] += good * bs
+                    done.append(head)
+                    pos += good
+                self._drop_disk_subtree(n)
+                break
+            self.tree.set_residency(n, DEVICE, dst)
+            self._moved(n, DEVICE)
+            stats.hit_tokens_by_tier[src] += n.num_blocks * bs
+            done.append(n)
+            pos += n.num_blocks
+        if pos < len(slots):
+            self.allocs[DEVICE].free(slots[pos:])
+        return done
+
+    def _moved(self, node: Node, tier: int) -> None:
+        self.cache.events.append(new_event(BlocksMoved, (tier, node.hashes, node.slots[tier], node.checksums or [])))
+
+    def _drop_disk_subtree(self, node: Node) -> None:
+        """A corrupt disk run: forget it and everything below it on disk (post-order)."""
+        order = []
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            stack.extend(c for c in n.children.values() if c.slots[DISK] is not None)
+        for n in reversed(order):
+            self.drop(n, DISK)

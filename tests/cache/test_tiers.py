@@ -1,0 +1,160 @@
+"""Residency across device, host and disk: demotion, write policies, promotion, corruption."""
+
+import os
+
+import pytest
+
+from prefixd.cache import PrefixCache
+from prefixd.cache.node import DEVICE, DISK, HOST
+from prefixd.storage.tiers import Tier, TierStore
+from tests.cache.helpers import StoreTokens, tiny_layout, toks
+
+BS = 2
+
+
+@pytest.fixture
+def tiered(tmp_path):
+    """``tiered(device, host, disk, **cache_kw) -> (cache, tokens_pool, store)``."""
+    made = []
+
+    def make(device=4, host=4, disk=8, **kw):
+        store = TierStore(tiny_layout(BS), {Tier.DEVICE: device, Tier.HOST: host, Tier.DISK: disk},
+                          state_dir=str(tmp_path / "state"), shm_dir=str(tmp_path / "shm"),
+                          name=f"c{len(made)}", fresh=True, use_cuda=False)
+        made.append(store)
+        cache = PrefixCache((device, host, disk), BS, data=store, **kw)
+        return cache, StoreTokens(store, BS), store
+
+    yield make
+    for store in made:
+        store.close()
+
+
+def _commit(cache, pool, tokens):
+    seq = cache.open(toks(*tokens))
+    pool.write(seq.block_table, tokens, seq.cached_tokens)
+    cache.commit(seq.id)
+    cache.release(seq.id)
+    cache.check_invariants()
+    return seq
+
+
+def test_write_through_puts_committed_blocks_in_every_tier(tiered):
+    cache, pool, _ = tiered()
+    _commit(cache, pool, [1, 2, 3, 4, 5])
+    node = next(cache.tree.nodes())
+    assert node.num_blocks == 2 and all(s is not None for s in node.slots)
+    assert len(node.checksums) == 2
+    assert cache.lookup(toks(1, 2, 3, 4, 5)).device_tokens == 4
+
+
+def test_bytes_survive_device_to_host_to_disk_to_device(tiered):
+    """write_back: evicting demotes, one tier at a time; a hit promotes the run back."""
+    cache, pool, _ = tiered(device=4, host=2, disk=8, write_policy="write_back")
+    tokens = [9, 8, 7, 6, 5]
+    first = _commit(cache, pool, tokens)
+    assert cache.evict(4) >= 2  # device -> host
+    assert cache.lookup(toks(*tokens)).host_tokens == 4
+    cache.check_invariants()
+    assert cache.evict(2, HOST) == 2  # host -> disk
+    assert cache.lookup(toks(*tokens)).disk_tokens == 4
+    cache.check_invariants()
+    seq = cache.open(toks(*tokens))
+    assert seq.cached_tokens == 4
+    assert cache.stats.hit_tokens_by_tier[DISK] == 4
+    pool.check(seq.block_table[:2], tokens[:4])
+    assert seq.block_table[:2] != [] and first.block_table  # promoted into device slots
+    cache.check_invariants()
+
+
+def test_device_eviction_keeps_the_run_in_a_lower_tier_and_a_hit_promotes_it(tiered):
+    cache, pool, _ = tiered(device=4, host=4, disk=8)
+    a = [1, 1, 1, 1, 0]
+    _commit(cache, pool, a)
+    _commit(cache, pool, [2, 2, 2, 2, 0])  # evicts a from device (LRU), a stays on host/disk
+    assert cache.lookup(toks(*a)).device_tokens == 0
+    assert cache.lookup(toks(*a)).host_tokens == 4
+    seq = cache.open(toks(*a))
+    assert seq.cached_tokens == 4 and cache.stats.hit_tokens_by_tier[HOST] == 4
+    pool.check(seq.block_table, a[:4])
+    cache.check_invariants()
+
+
+def test_eviction_order_is_lru_per_tier(tiered):
+    cache, pool, _ = tiered(device=8, host=4, disk=8, write_policy="write_back")
+    for first in (10, 20, 30):
+        _commit(cache, pool, [first, 1, 0])
+    cache.release(cache.open(toks(10, 1, 0)).id)  # 20 is now least recently used
+    cache.evict(1)  # device -> host: 20's block
+    assert cache.lookup(toks(20, 1, 0)).host_tokens == 2
+    cache.evict(1)
+    assert cache.lookup(toks(30, 1, 0)).host_tokens == 2
+    assert cache.lookup(toks(10, 1, 0)).device_tokens == 2
+    cache.evict(1, HOST)  # host -> disk takes the host LRU: 20 again
+    assert cache.lookup(toks(20, 1, 0)).disk_tokens == 2
+    assert cache.lookup(toks(30, 1, 0)).host_tokens == 2
+    cache.check_invariants()
+
+
+def test_selective_forgets_runs_with_too_few_hits(tiered):
+    cache, pool, _ = tiered(device=4, host=4, disk=4, write_policy="selective", selective_hits=2)
+    _commit(cache, pool, [1, 2, 3])
+    _commit(cache, pool, [4, 5, 6])
+    for _ in range(2):
+        cache.release(cache.open(toks(4, 5, 6)).id)
+    cache.evict(4)
+    assert cache.lookup(toks(1, 2, 3)).cached_tokens == 0  # one hit: forgotten
+    assert cache.lookup(toks(4, 5, 6)).host_tokens == 2    # hit twice: kept on host
+    cache.check_invariants()
+
+
+def test_evicting_from_disk_forgets(tiered):
+    cache, pool, _ = tiered(device=4, host=2, disk=2, write_policy="write_back")
+    _commit(cache, pool, [1, 2, 3])
+    cache.evict(4)
+    cache.evict(2, HOST)
+    assert cache.lookup(toks(1, 2, 3)).disk_tokens == 2
+    cache.evict(2, DISK)
+    assert cache.lookup(toks(1, 2, 3)).cached_tokens == 0
+    cache.check_invariants()
+
+
+def _disk_file(store):
+    return store.pool(Tier.DISK).path
+
+
+@pytest.mark.parametrize("damage", ["flip", "zero", "truncate"])
+def test_a_corrupt_disk_block_is_dropped_and_never_served(tiered, damage):
+    cache, pool, store = tiered(device=4, host=4, disk=8, write_policy="write_back")
+    tokens = [3, 1, 4, 1, 5, 9, 2]  # three full blocks
+    _commit(cache, pool, tokens)
+    other = [7, 7, 7]
+    _commit(cache, pool, other)
+    cache.evict(8)
+    cache.evict(4, HOST)
+    node = next(n for n in cache.tree.nodes() if n.tokens[:8] == toks(3, 1))
+    slot = node.slots[DISK][1]  # the second block of the run
+    pool_file = store.pool(Tier.DISK)
+    offset = pool_file.offset(slot)
+    with open(_disk_file(store), "r+b") as f:
+        if damage == "flip":
+            f.seek(offset + 5)
+            byte = f.read(1)[0]
+            f.seek(offset + 5)
+            f.write(bytes([byte ^ 0x10]))
+        elif damage == "zero":
+            f.seek(offset)
+            f.write(bytes(store.layout.block_bytes))
+        else:
+            os.truncate(_disk_file(store), offset + 4)
+    seq = cache.open(toks(*tokens))
+    assert seq.cached_tokens == 2, "only the block before the damaged one may be served"
+    assert cache.stats.corrupt_blocks >= 1
+    pool.check(seq.block_table[:1], tokens[:2])
+    assert cache.lookup(toks(*tokens)).cached_tokens == 2
+    cache.release(seq.id)
+    cache.check_invariants()
+    if damage != "truncate":
+        other_seq = cache.open(toks(*other))
+        assert other_seq.cached_tokens == 2  # the rest keeps serving
+        pool.check(other_seq.block_table[:1], other[:2])
