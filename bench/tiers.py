@@ -3,7 +3,7 @@
     python bench/tiers.py --json [--state-dir DIR] [--reps 5] [--batches 4] [--batch-blocks 64]
 
 Prints one JSON object. Each section is a function ``section(args) -> dict`` registered in
-``SECTIONS``; the cache engineer adds ``hit_rate`` there (it needs the cache core).
+``SECTIONS``: ``bandwidth`` and ``hit_rate``.
 
 bandwidth.<path>: ``gbps`` (median over reps), ``floor_gbps`` (median), ``ratio`` (median of the
 per-rep ratios, floor and path measured back to back in alternating order), best values too.
@@ -11,6 +11,9 @@ per-rep ratios, floor and path measured back to back in alternating order), best
   spill_host_disk      copy(HOST -> DISK, durable=True)       vs  pwrite + fsync of one file
   promote_disk_device  cold copy(DISK -> DEVICE, verify=...)  vs  cold sequential pread of one file
 Slots are shuffled (what a pool looks like after churn): no run coalescing helps us.
+
+hit_rate.<workload>: ``tiered`` (device 10%, host 40%, disk 150% of the working set),
+``device_only`` (device 10%), ``ideal`` (infinite cache), ``tiered_vs_ideal``.
 """
 
 from __future__ import annotations
@@ -172,7 +175,43 @@ def bandwidth(args) -> dict:
     }
 
 
-SECTIONS = {"bandwidth": bandwidth}
+def hit_rate(args) -> dict:
+    """Hit rates with device 10%, host 40%, disk 150% of the working set (write_through), and
+    with the device alone at 10%, against the ideal (an infinite cache), per workload.
+
+    Index only (no bytes move): the hit rate is a property of the policy, and moving ~1 GiB of
+    KV per workload would time the disk, which ``bandwidth`` already does.
+    """
+    from prefixd.cache import PrefixCache
+    from prefixd.replay import replay
+    from prefixd.workloads import WORKLOADS, ideal_hit_rate, working_set_tokens
+
+    out = {}
+    bs = 16
+    for name in args.workloads.split(","):
+        reqs = WORKLOADS[name]()
+        ws_blocks = working_set_tokens(reqs, bs) // bs
+        sizes = (ws_blocks // 10, ws_blocks * 4 // 10, ws_blocks * 15 // 10)
+        tiered = PrefixCache(sizes, bs)
+        replay(tiered, reqs)
+        tiered.check_invariants()
+        device_only = PrefixCache(sizes[0], bs)
+        replay(device_only, reqs)
+        _, host, disk = tiered.stats.hit_tokens_by_tier
+        total = tiered.stats.requested_tokens
+        out[name] = {
+            "tiered": round(tiered.stats.hit_rate, 4),
+            "device_only": round(device_only.stats.hit_rate, 4),
+            "ideal": round(ideal_hit_rate(reqs, bs), 4),
+            "tiered_served_from": {"device": round(tiered.stats.hit_rate - (host + disk) / total, 4),
+                                   "host": round(host / total, 4), "disk": round(disk / total, 4)},
+            "blocks": {"device": sizes[0], "host": sizes[1], "disk": sizes[2], "working_set": ws_blocks},
+        }
+        out[name]["tiered_vs_ideal"] = round(out[name]["tiered"] / out[name]["ideal"], 4)
+    return out
+
+
+SECTIONS = {"bandwidth": bandwidth, "hit_rate": hit_rate}
 
 
 def main(argv=None) -> int:
@@ -186,6 +225,7 @@ def main(argv=None) -> int:
     ap.add_argument("--paths", default="demote_device_host,spill_host_disk,promote_disk_device",
                     help="bandwidth paths to run (comma-separated)")
     ap.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated: " + ",".join(SECTIONS))
+    ap.add_argument("--workloads", default="gsp,multiturn", help="hit_rate workloads (comma-separated)")
     args = ap.parse_args(argv)
     result = {"bench": "tiers"}
     for name in args.sections.split(","):
