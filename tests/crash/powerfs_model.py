@@ -1,0 +1,586 @@
+"""The durability model behind PowerFS: what processes see versus what a disk would still hold.
+
+Data structure. A tree of `DirNode` / `FileNode` objects held in memory by the FS process.
+
+- Every file's *durable* bytes live in one store file, ``store/<ino>``, exactly ``durable_size``
+  long. Writes never touch it: they go to ``dirty``, a dict of whole 4 KiB pages (page index ->
+  4096 bytes), which is the volatile overlay. What a process reads is the overlay over the store:
+  a dirty page if there is one, else the store bytes below ``floor``, else zeros, clipped to
+  ``live_size``.
+- Every directory has two entry maps: ``live`` (what `readdir` and path lookups see) and
+  ``durable`` (what would be found after a power cut). Both map a name to a node object.
+
+Invariants (`check_invariants`):
+
+- ``floor <= min(durable_size, live_size)``: a truncate since the last sync hides the store
+  bytes past it; the store file itself is only cut at the next sync.
+- Every dirty page starts below ``live_size`` and its bytes past ``live_size`` are zero.
+- The store file is exactly ``durable_size`` bytes.
+- A node's ``parent``/``name`` are its live link (``None`` once unlinked); ``durable_links``
+  counts the durable maps that hold it.
+
+Durability rules (conservative, close to ext4 ``data=ordered`` with ``auto_da_alloc`` off, and
+never relying on the implicit ordering that ext4's single journal gives):
+
+1. Data and size of a file become durable on fsync or fdatasync of that file (any handle): the
+   whole file, every dirty page and the current size (fdatasync makes the size durable too, as
+   Linux does when the size is needed to read the data back). A write through a handle opened
+   ``O_SYNC``/``O_DSYNC`` makes the pages it wrote (and the size) durable before it returns.
+2. Creation: fsync of a file or directory whose node is in no durable directory yet makes its
+   current live name durable in its parent (replacing whatever that durable name held), and
+   the same, recursively, for parent directories that are not durable yet.
+3. Every other namespace change (rename, unlink, rmdir, and a creation no fsync has covered)
+   becomes durable only on fsync of the directory that holds the entry: fsync of a directory
+   copies its whole ``live`` map to ``durable``. A rename across directories needs both fsynced
+   (with only the target fsynced, the file is durable under both names).
+4. Attributes other than the size (mode, owner, times) are not modelled: they are materialized
+   as last set.
+
+Power cut (`cut`): the namespace keeps only durable entries in both modes. File data:
+
+- ``lose``: every file is its store file: every unsynced write and size change is gone.
+- ``torn``: per file, one seeded coin decides whether the unsynced size change (truncate and
+  extension) happened; then each dirty page is independently kept (new bytes) or lost (old
+  bytes) by a seeded coin. Coins are drawn from ``random.Random(f"{seed}:{path}")`` in page
+  order, so one seed and one sequence of writes always give the same result.
+- ``clean``: an orderly unmount: everything live is synced first (nothing is lost).
+
+NOTE: the model serves one caller at a time (the FS process runs libfuse single-threaded and
+takes a lock around every call); it is not thread-safe by itself.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PAGE_SIZE = 4096
+MODES = ("lose", "torn", "clean")
+
+
+class PowerFSError(Exception):
+    """A harness failure (bad state, bad request, a mount that did not come up), with context."""
+
+
+class FsError(OSError):
+    """An errno to hand back to the kernel for one FS call (ENOENT, ENOTEMPTY, ...)."""
+
+    def __init__(self, code: int, what: str) -> None:
+        super().__init__(code, f"{os.strerror(code)}: {what}")
+
+
+@dataclass(eq=False)
+class Node:
+    """Fields every node has; ``parent``/``name`` are the live link (None when unlinked)."""
+
+    ino: int
+    mode: int
+    parent: DirNode | None = None
+    name: str = ""
+    durable_links: int = 0
+    uid: int = 0
+    gid: int = 0
+    atime_ns: int = field(default_factory=time.time_ns)
+    mtime_ns: int = field(default_factory=time.time_ns)
+    ctime_ns: int = field(default_factory=time.time_ns)
+
+
+@dataclass(eq=False)
+class DirNode(Node):
+    live: dict[str, Node] = field(default_factory=dict)
+    durable: dict[str, Node] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class FileNode(Node):
+    fd: int = -1  # the store file, O_RDWR
+    durable_size: int = 0
+    live_size: int = 0
+    floor: int = 0
+    dirty: dict[int, bytearray] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CutReport:
+    """What a power cut kept and dropped (counts over durable files; `lost_entries` over dirs)."""
+
+    mode: str
+    seed: int
+    num_files: int
+    num_dirs: int
+    pages_kept: int
+    pages_lost: int
+    sizes_kept: int
+    sizes_lost: int
+    lost_entries: int
+
+
+class PowerModel:
+    """The tree, the open handles and the counters of one mounted PowerFS (see module doc)."""
+
+    def __init__(self, store: Path) -> None:
+        self.store = Path(store)
+        self.store.mkdir(parents=True, exist_ok=False)
+        self._next_ino = 1
+        self.root = DirNode(ino=self._new_ino(), mode=0o755)
+        self.handles: dict[int, tuple[Node, int]] = {}  # fh -> (node, open flags)
+        self.files: dict[int, FileNode] = {}  # every file ever made, live or not: fds to close
+        self._next_fh = 1
+        self.dead = False  # set by cut(): every later call fails with EIO
+        self.counters = {k: 0 for k in ("write", "write_sync", "fsync", "fdatasync", "fsyncdir",
+                                        "read", "truncate", "fallocate", "rename", "unlink")}
+
+    # ---- setup -------------------------------------------------------------------------
+
+    def _new_ino(self) -> int:
+        ino = self._next_ino
+        self._next_ino += 1
+        return ino
+
+    def _new_file(self, mode: int) -> FileNode:
+        node = FileNode(ino=self._new_ino(), mode=mode & 0o7777)
+        node.fd = os.open(self.store / str(node.ino), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.files[node.ino] = node
+        return node
+
+    def import_tree(self, backing: Path) -> None:
+        """Take `backing` as fully durable: move its files into the store, then empty it.
+
+        Raises:
+            PowerFSError: for anything but regular files and directories (symlinks, devices).
+        """
+        def walk(src: Path, dnode: DirNode) -> None:
+            for entry in sorted(os.scandir(src), key=lambda e: e.name):
+                st = entry.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    child: Node = DirNode(ino=self._new_ino(), mode=st.st_mode & 0o7777)
+                    walk(Path(entry.path), child)  # type: ignore[arg-type]
+                elif stat.S_ISREG(st.st_mode):
+                    child = FileNode(ino=self._new_ino(), mode=st.st_mode & 0o7777,
+                                     durable_size=st.st_size, live_size=st.st_size,
+                                     floor=st.st_size)
+                    target = self.store / str(child.ino)
+                    os.rename(entry.path, target)
+                    child.fd = os.open(target, os.O_RDWR)
+                    self.files[child.ino] = child
+                else:
+                    raise PowerFSError(f"powerfs backs only files and directories, not {entry.path!r}")
+                child.uid, child.gid = st.st_uid, st.st_gid
+                child.atime_ns, child.mtime_ns = st.st_atime_ns, st.st_mtime_ns
+                child.parent, child.name, child.durable_links = dnode, entry.name, 1
+                dnode.live[entry.name] = dnode.durable[entry.name] = child
+        walk(Path(backing), self.root)
+        for entry in os.scandir(backing):
+            shutil.rmtree(entry.path)
+
+    # ---- lookup and handles ------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if self.dead:
+            raise FsError(errno.EIO, "power is off")
+
+    def lookup(self, path: str) -> Node:
+        self._check_alive()
+        node: Node = self.root
+        for part in (p for p in path.split("/") if p):
+            if not isinstance(node, DirNode):
+                raise FsError(errno.ENOTDIR, path)
+            child = node.live.get(part)
+            if child is None:
+                raise FsError(errno.ENOENT, path)
+            node = child
+        return node
+
+    def node_of(self, path: str | None, fh: int | None) -> Node:
+        """The node behind a handle when there is one (it may be unlinked), else the path's."""
+        self._check_alive()
+        if fh:
+            entry = self.handles.get(fh)
+            if entry is None:
+                raise FsError(errno.EBADF, f"fh {fh}")
+            return entry[0]
+        if path is None:
+            raise FsError(errno.EBADF, "no path and no handle")
+        return self.lookup(path)
+
+    def _file(self, path: str | None, fh: int | None) -> FileNode:
+        node = self.node_of(path, fh)
+        if not isinstance(node, FileNode):
+            raise FsError(errno.EISDIR, str(path))
+        return node
+
+    def _split(self, path: str) -> tuple[DirNode, str]:
+        head, _, name = path.rstrip("/").rpartition("/")
+        parent = self.lookup(head or "/")
+        if not isinstance(parent, DirNode):
+            raise FsError(errno.ENOTDIR, path)
+        if not name:
+            raise FsError(errno.EINVAL, path)
+        return parent, name
+
+    def open(self, path: str, flags: int) -> int:
+        node = self.lookup(path)
+        return self._handle(node, flags)
+
+    def _handle(self, node: Node, flags: int) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self.handles[fh] = (node, flags)
+        return fh
+
+    def release(self, fh: int) -> None:
+        self.handles.pop(fh, None)
+
+    # ---- namespace ---------------------------------------------------------------------
+
+    def create(self, path: str, mode: int, flags: int, uid: int = 0, gid: int = 0) -> int:
+        parent, name = self._split(path)
+        if name in parent.live:
+            if flags & os.O_EXCL:
+                raise FsError(errno.EEXIST, path)
+            return self.open(path, flags)
+        node = self._new_file(mode)
+        node.uid, node.gid = uid, gid
+        self._link(parent, name, node)
+        return self._handle(node, flags)
+
+    def mkdir(self, path: str, mode: int, uid: int = 0, gid: int = 0) -> None:
+        parent, name = self._split(path)
+        if name in parent.live:
+            raise FsError(errno.EEXIST, path)
+        node = DirNode(ino=self._new_ino(), mode=mode & 0o7777, uid=uid, gid=gid)
+        self._link(parent, name, node)
+
+    def _link(self, parent: DirNode, name: str, node: Node) -> None:
+        parent.live[name] = node
+        node.parent, node.name = parent, name
+        parent.mtime_ns = time.time_ns()
+
+    def _unlink_entry(self, parent: DirNode, name: str) -> Node:
+        node = parent.live.pop(name)
+        if node.parent is parent and node.name == name:
+            node.parent, node.name = None, ""
+        parent.mtime_ns = time.time_ns()
+        return node
+
+    def unlink(self, path: str) -> None:
+        parent, name = self._split(path)
+        node = parent.live.get(name)
+        if node is None:
+            raise FsError(errno.ENOENT, path)
+        if isinstance(node, DirNode):
+            raise FsError(errno.EISDIR, path)
+        self.counters["unlink"] += 1
+        self._unlink_entry(parent, name)
+
+    def rmdir(self, path: str) -> None:
+        parent, name = self._split(path)
+        node = parent.live.get(name)
+        if node is None:
+            raise FsError(errno.ENOENT, path)
+        if not isinstance(node, DirNode):
+            raise FsError(errno.ENOTDIR, path)
+        if node.live:
+            raise FsError(errno.ENOTEMPTY, path)
+        self._unlink_entry(parent, name)
+
+    def rename(self, old: str, new: str, flags: int = 0) -> None:
+        """rename(2) with RENAME_NOREPLACE (1); RENAME_EXCHANGE and others are EINVAL."""
+        if flags & ~1:
+            raise FsError(errno.EINVAL, f"rename flags {flags:#x}")
+        src_dir, src_name = self._split(old)
+        dst_dir, dst_name = self._split(new)
+        node = src_dir.live.get(src_name)
+        if node is None:
+            raise FsError(errno.ENOENT, old)
+        walk: DirNode | None = dst_dir
+        while walk is not None:
+            if walk is node:
+                raise FsError(errno.EINVAL, f"{old} -> {new}: into itself")
+            walk = walk.parent
+        target = dst_dir.live.get(dst_name)
+        if target is node:
+            return
+        if target is not None:
+            if flags & 1:
+                raise FsError(errno.EEXIST, new)
+            if isinstance(target, DirNode):
+                if not isinstance(node, DirNode):
+                    raise FsError(errno.EISDIR, new)
+                if target.live:
+                    raise FsError(errno.ENOTEMPTY, new)
+            elif isinstance(node, DirNode):
+                raise FsError(errno.ENOTDIR, new)
+            self._unlink_entry(dst_dir, dst_name)
+        self.counters["rename"] += 1
+        self._unlink_entry(src_dir, src_name)
+        self._link(dst_dir, dst_name, node)
+
+    # ---- data --------------------------------------------------------------------------
+
+    def _page(self, node: FileNode, idx: int) -> bytearray:
+        """The visible 4 KiB of page `idx` (not clipped to live_size: past it, bytes are 0)."""
+        page = node.dirty.get(idx)
+        if page is not None:
+            return bytearray(page)
+        start = idx * PAGE_SIZE
+        buf = bytearray(PAGE_SIZE)
+        if start < node.floor:
+            got = os.pread(node.fd, min(PAGE_SIZE, node.floor - start), start)
+            buf[: len(got)] = got
+        return buf
+
+    def read(self, path: str | None, size: int, offset: int, fh: int | None) -> bytes:
+        node = self._file(path, fh)
+        self.counters["read"] += 1
+        end = min(offset + size, node.live_size)
+        if offset >= end:
+            return b""
+        buf = bytearray(end - offset)
+        if offset < node.floor:
+            got = os.pread(node.fd, min(end, node.floor) - offset, offset)
+            buf[: len(got)] = got
+        for idx in range(offset // PAGE_SIZE, (end - 1) // PAGE_SIZE + 1):
+            page = node.dirty.get(idx)
+            if page is None:
+                continue
+            lo, hi = max(idx * PAGE_SIZE, offset), min((idx + 1) * PAGE_SIZE, end)
+            buf[lo - offset : hi - offset] = page[lo - idx * PAGE_SIZE : hi - idx * PAGE_SIZE]
+        return bytes(buf)
+
+    def write(self, path: str | None, data: bytes, offset: int, fh: int | None) -> int:
+        node = self._file(path, fh)
+        self.counters["write"] += 1
+        end = offset + len(data)
+        view = memoryview(data)
+        first, last = offset // PAGE_SIZE, (end - 1) // PAGE_SIZE if data else -1
+        for idx in range(first, last + 1):
+            page = self._page(node, idx)
+            lo, hi = max(idx * PAGE_SIZE, offset), min((idx + 1) * PAGE_SIZE, end)
+            page[lo - idx * PAGE_SIZE : hi - idx * PAGE_SIZE] = view[lo - offset : hi - offset]
+            node.dirty[idx] = page
+        node.live_size = max(node.live_size, end)
+        node.mtime_ns = time.time_ns()
+        flags = self.handles[fh][1] if fh in self.handles else 0
+        if flags & (os.O_SYNC | os.O_DSYNC):
+            self.counters["write_sync"] += 1
+            self._sync_pages(node, range(first, last + 1))
+        return len(data)
+
+    def truncate(self, path: str | None, length: int, fh: int | None) -> None:
+        node = self._file(path, fh)
+        self.counters["truncate"] += 1
+        self._resize(node, length)
+
+    def _resize(self, node: FileNode, length: int) -> None:
+        if length < node.live_size:
+            for idx in [i for i in node.dirty if i * PAGE_SIZE >= length]:
+                del node.dirty[idx]
+            tail = node.dirty.get(length // PAGE_SIZE)
+            if tail is not None:
+                tail[length % PAGE_SIZE :] = bytes(PAGE_SIZE - length % PAGE_SIZE)
+            node.floor = min(node.floor, length)
+        node.live_size = length
+        node.mtime_ns = time.time_ns()
+
+    def fallocate(self, path: str | None, mode: int, offset: int, length: int, fh: int | None) -> None:
+        """Mode 0 extends the size (zeros read back); KEEP_SIZE (1) is a no-op; others ENOTSUP."""
+        node = self._file(path, fh)
+        self.counters["fallocate"] += 1
+        if mode == 0:
+            if offset + length > node.live_size:
+                self._resize(node, offset + length)
+        elif mode != 1:
+            raise FsError(errno.EOPNOTSUPP, f"fallocate mode {mode:#x}")
+
+    # ---- durability --------------------------------------------------------------------
+
+    def _sync_pages(self, node: FileNode, pages) -> None:
+        """Rule 1 for an O_DSYNC write: the written pages and the size reach the store."""
+        if node.floor < node.durable_size:
+            self.fsync(None, 1, None, node=node)  # a pending truncate must land first
+            return
+        for idx in pages:
+            page = node.dirty.pop(idx, None)
+            if page is not None:
+                start = idx * PAGE_SIZE
+                os.pwrite(node.fd, bytes(page[: max(0, min(PAGE_SIZE, node.live_size - start))]), start)
+        os.ftruncate(node.fd, node.live_size)
+        node.durable_size = node.floor = node.live_size
+        self._make_reachable(node)
+
+    def fsync(self, path: str | None, datasync: int, fh: int | None, *, node: Node | None = None) -> None:
+        """Rules 1 and 2: a file's data and size, and its creation, become durable."""
+        node = node or self.node_of(path, fh)
+        if isinstance(node, DirNode):
+            self.fsyncdir(None, datasync, None, node=node)
+            return
+        assert isinstance(node, FileNode)
+        self.counters["fdatasync" if datasync else "fsync"] += 1
+        if node.floor < node.durable_size:
+            os.ftruncate(node.fd, node.floor)
+        for idx in sorted(node.dirty):
+            start = idx * PAGE_SIZE
+            os.pwrite(node.fd, bytes(node.dirty[idx][: max(0, min(PAGE_SIZE, node.live_size - start))]), start)
+        os.ftruncate(node.fd, node.live_size)
+        node.dirty.clear()
+        node.durable_size = node.floor = node.live_size
+        self._make_reachable(node)
+
+    def fsyncdir(self, path: str | None, datasync: int, fh: int | None, *, node: Node | None = None) -> None:
+        """Rule 3 (the directory's whole live map becomes durable), then rule 2 for the dir."""
+        node = node or self.node_of(path, fh)
+        if not isinstance(node, DirNode):
+            raise FsError(errno.ENOTDIR, str(path))
+        self.counters["fsyncdir"] += 1
+        for child in node.durable.values():
+            child.durable_links -= 1
+        node.durable = dict(node.live)
+        for child in node.durable.values():
+            child.durable_links += 1
+        self._make_reachable(node)
+
+    def _make_reachable(self, node: Node) -> None:
+        """Rule 2: a node in no durable map gets its live name made durable, up to the root."""
+        while node is not self.root and node.durable_links == 0 and node.parent is not None:
+            parent = node.parent
+            old = parent.durable.get(node.name)
+            if old is not None:
+                old.durable_links -= 1
+            parent.durable[node.name] = node
+            node.durable_links += 1
+            node = parent
+
+    def sync_all(self) -> None:
+        """Fsync every live file and directory (an orderly unmount)."""
+        def walk(dnode: DirNode) -> None:
+            for child in dnode.live.values():
+                if isinstance(child, DirNode):
+                    walk(child)
+                else:
+                    self.fsync(None, 0, None, node=child)
+            self.fsyncdir(None, 0, None, node=dnode)
+        walk(self.root)
+
+    # ---- power cut ---------------------------------------------------------------------
+
+    def cut(self, mode: str, seed: int, backing: Path) -> CutReport:
+        """Power off: drop what is not durable (per `mode`), write the durable tree to `backing`.
+
+        `backing` must be empty. After this every FS call fails with EIO and the store is gone.
+
+        Raises:
+            PowerFSError: unknown mode, or the model was already cut.
+        """
+        if mode not in MODES:
+            raise PowerFSError(f"power cut mode {mode!r} is not one of {MODES}")
+        if self.dead:
+            raise PowerFSError("power was already cut")
+        if mode == "clean":
+            self.sync_all()
+        self.dead = True
+        counts = dict(files=0, dirs=0, kept=0, lost=0, sizes_kept=0, sizes_lost=0, entries=0)
+        placed: dict[int, Path] = {}
+
+        def walk(dnode: DirNode, target: Path, rel: str) -> None:
+            counts["dirs"] += 1
+            counts["entries"] += sum(1 for n, c in dnode.live.items() if dnode.durable.get(n) is not c)
+            for name in sorted(dnode.durable):
+                child, dest, child_rel = dnode.durable[name], target / name, f"{rel}/{name}"
+                if isinstance(child, DirNode):
+                    os.mkdir(dest)
+                    walk(child, dest, child_rel)
+                    os.chmod(dest, child.mode)
+                    continue
+                assert isinstance(child, FileNode)
+                if child.ino in placed:
+                    os.link(placed[child.ino], dest)
+                    continue
+                counts["files"] += 1
+                if mode == "torn":
+                    self._tear(child, random.Random(f"{seed}:{child_rel}"), counts)
+                else:
+                    counts["lost"] += len(child.dirty)
+                    counts["sizes_lost"] += child.live_size != child.durable_size or child.floor < child.durable_size
+                os.close(child.fd)
+                child.fd = -1
+                os.rename(self.store / str(child.ino), dest)
+                os.chmod(dest, child.mode)
+                os.utime(dest, ns=(child.atime_ns, child.mtime_ns))
+                placed[child.ino] = dest
+
+        walk(self.root, Path(backing), "")
+        self._close_all()
+        return CutReport(mode=mode, seed=seed, num_files=counts["files"], num_dirs=counts["dirs"],
+                         pages_kept=counts["kept"], pages_lost=counts["lost"],
+                         sizes_kept=counts["sizes_kept"], sizes_lost=counts["sizes_lost"],
+                         lost_entries=counts["entries"])
+
+    def _tear(self, node: FileNode, rng: random.Random, counts: dict[str, int]) -> None:
+        """Torn mode for one file: one coin for the size change, one per dirty page (in order)."""
+        size = node.durable_size
+        if node.live_size != node.durable_size or node.floor < node.durable_size:
+            if rng.random() < 0.5:
+                os.ftruncate(node.fd, node.floor)
+                size = node.live_size
+                counts["sizes_kept"] += 1
+            else:
+                counts["sizes_lost"] += 1
+        os.ftruncate(node.fd, size)
+        for idx in sorted(node.dirty):
+            keep = rng.random() < 0.5
+            start = idx * PAGE_SIZE
+            if keep and start < size:
+                os.pwrite(node.fd, bytes(node.dirty[idx][: min(PAGE_SIZE, size - start)]), start)
+            counts["kept" if keep else "lost"] += 1
+
+    def _close_all(self) -> None:
+        for node in self.files.values():
+            if node.fd >= 0:
+                os.close(node.fd)
+                node.fd = -1
+        self.handles.clear()
+        shutil.rmtree(self.store, ignore_errors=True)
+
+    # ---- checks ------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise PowerFSError naming the first broken invariant (see the module doc)."""
+        links: dict[int, int] = {}
+        seen: dict[int, Node] = {}
+
+        def visit(dnode: DirNode) -> None:
+            for name, child in dnode.live.items():
+                if child.parent is not dnode or child.name != name:
+                    raise PowerFSError(f"ino {child.ino}: live link is not {name!r}")
+            for mapping in (dnode.live, dnode.durable):
+                for child in mapping.values():
+                    if child.ino not in seen:
+                        seen[child.ino] = child
+                        if isinstance(child, DirNode):
+                            visit(child)
+            for child in dnode.durable.values():
+                links[child.ino] = links.get(child.ino, 0) + 1
+
+        visit(self.root)
+        for node in list(seen.values()) + list(self.files.values()):
+            if node.durable_links != links.get(node.ino, 0):
+                raise PowerFSError(f"ino {node.ino}: durable_links {node.durable_links} "
+                                   f"!= {links.get(node.ino, 0)}")
+            if not isinstance(node, FileNode) or node.fd < 0:
+                continue
+            if node.floor > min(node.durable_size, node.live_size):
+                raise PowerFSError(f"ino {node.ino}: floor {node.floor} above sizes "
+                                   f"{node.durable_size}/{node.live_size}")
+            if os.fstat(node.fd).st_size != node.durable_size:
+                raise PowerFSError(f"ino {node.ino}: store size != durable_size {node.durable_size}")
+            for idx, page in node.dirty.items():
+                start = idx * PAGE_SIZE
+                if start >= node.live_size or any(page[max(0, node.live_size - start):]):
+                    raise PowerFSError(f"ino {node.ino}: dirty page {idx} past size {node.live_size}")
