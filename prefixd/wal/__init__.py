@@ -46,6 +46,7 @@ code   kind         fixed fields, in order                                blob
 10     BLOCK_MOVE   tier B, num_blocks I                                  yes
 11     BLOCK_DROP   tier B, num_blocks I                                  yes
 12     TOUCH        time d, num_blocks I                                  yes
+13     RECOVER      epoch I, host_kept B                                  no
 =====  ===========  ====================================================  ====
 
 The table lives in ``records.KIND_SPECS``; adding a kind is one row there.
