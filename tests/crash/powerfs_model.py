@@ -41,8 +41,10 @@ Power cut (`cut`): the namespace keeps only durable entries in both modes. File 
 - ``lose``: every file is its store file: every unsynced write and size change is gone.
 - ``torn``: per file, one seeded coin decides whether the unsynced size change (truncate and
   extension) happened; then each dirty page is independently kept (new bytes) or lost (old
-  bytes) by a seeded coin. Coins are drawn from ``random.Random(f"{seed}:{path}")`` in page
-  order, so one seed and one sequence of writes always give the same result.
+  bytes) by a seeded coin. When the size change happened, a lost page past the lowest size
+  since the last sync reads as zeros (the truncate landed, the write after it did not). Coins
+  are drawn from ``random.Random(f"{seed}:{path}")`` in page order, so one seed and one
+  sequence of writes always give the same result.
 - ``clean``: an orderly unmount: everything live is synced first (nothing is lost).
 
 NOTE: the model serves one caller at a time (the FS process runs libfuse single-threaded and
@@ -53,73 +55,22 @@ from __future__ import annotations
 
 import errno
 import os
-import random
 import shutil
 import stat
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-PAGE_SIZE = 4096
-MODES = ("lose", "torn", "clean")
-
-
-class PowerFSError(Exception):
-    """A harness failure (bad state, bad request, a mount that did not come up), with context."""
-
-
-class FsError(OSError):
-    """An errno to hand back to the kernel for one FS call (ENOENT, ENOTEMPTY, ...)."""
-
-    def __init__(self, code: int, what: str) -> None:
-        super().__init__(code, f"{os.strerror(code)}: {what}")
-
-
-@dataclass(eq=False)
-class Node:
-    """Fields every node has; ``parent``/``name`` are the live link (None when unlinked)."""
-
-    ino: int
-    mode: int
-    parent: DirNode | None = None
-    name: str = ""
-    durable_links: int = 0
-    uid: int = 0
-    gid: int = 0
-    atime_ns: int = field(default_factory=time.time_ns)
-    mtime_ns: int = field(default_factory=time.time_ns)
-    ctime_ns: int = field(default_factory=time.time_ns)
-
-
-@dataclass(eq=False)
-class DirNode(Node):
-    live: dict[str, Node] = field(default_factory=dict)
-    durable: dict[str, Node] = field(default_factory=dict)
-
-
-@dataclass(eq=False)
-class FileNode(Node):
-    fd: int = -1  # the store file, O_RDWR
-    durable_size: int = 0
-    live_size: int = 0
-    floor: int = 0
-    dirty: dict[int, bytearray] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class CutReport:
-    """What a power cut kept and dropped (counts over durable files; `lost_entries` over dirs)."""
-
-    mode: str
-    seed: int
-    num_files: int
-    num_dirs: int
-    pages_kept: int
-    pages_lost: int
-    sizes_kept: int
-    sizes_lost: int
-    lost_entries: int
-
+from tests.crash.powerfs_cut import power_cut
+from tests.crash.powerfs_nodes import (  # noqa: F401 - re-exported for the harness
+    MODES,
+    PAGE_SIZE,
+    CutReport,
+    DirNode,
+    FileNode,
+    FsError,
+    Node,
+    PowerFSError,
+)
 
 class PowerModel:
     """The tree, the open handles and the counters of one mounted PowerFS (see module doc)."""
@@ -471,82 +422,12 @@ class PowerModel:
     # ---- power cut ---------------------------------------------------------------------
 
     def cut(self, mode: str, seed: int, backing: Path) -> CutReport:
-        """Power off: drop what is not durable (per `mode`), write the durable tree to `backing`.
-
-        `backing` must be empty. After this every FS call fails with EIO and the store is gone.
+        """Power off into the empty `backing` (`powerfs_cut.power_cut`); then every call EIO.
 
         Raises:
             PowerFSError: unknown mode, or the model was already cut.
         """
-        if mode not in MODES:
-            raise PowerFSError(f"power cut mode {mode!r} is not one of {MODES}")
-        if self.dead:
-            raise PowerFSError("power was already cut")
-        if mode == "clean":
-            self.sync_all()
-        self.dead = True
-        counts = dict(files=0, dirs=0, kept=0, lost=0, sizes_kept=0, sizes_lost=0, entries=0)
-        placed: dict[int, Path] = {}
-
-        def walk(dnode: DirNode, target: Path, rel: str) -> None:
-            counts["dirs"] += 1
-            counts["entries"] += sum(1 for n, c in dnode.live.items() if dnode.durable.get(n) is not c)
-            for name in sorted(dnode.durable):
-                child, dest, child_rel = dnode.durable[name], target / name, f"{rel}/{name}"
-                if isinstance(child, DirNode):
-                    os.mkdir(dest)
-                    walk(child, dest, child_rel)
-                    os.chmod(dest, child.mode)
-                    continue
-                assert isinstance(child, FileNode)
-                if child.ino in placed:
-                    os.link(placed[child.ino], dest)
-                    continue
-                counts["files"] += 1
-                if mode == "torn":
-                    self._tear(child, random.Random(f"{seed}:{child_rel}"), counts)
-                else:
-                    counts["lost"] += len(child.dirty)
-                    counts["sizes_lost"] += child.live_size != child.durable_size or child.floor < child.durable_size
-                os.close(child.fd)
-                child.fd = -1
-                os.rename(self.store / str(child.ino), dest)
-                os.chmod(dest, child.mode)
-                os.utime(dest, ns=(child.atime_ns, child.mtime_ns))
-                placed[child.ino] = dest
-
-        walk(self.root, Path(backing), "")
-        self._close_all()
-        return CutReport(mode=mode, seed=seed, num_files=counts["files"], num_dirs=counts["dirs"],
-                         pages_kept=counts["kept"], pages_lost=counts["lost"],
-                         sizes_kept=counts["sizes_kept"], sizes_lost=counts["sizes_lost"],
-                         lost_entries=counts["entries"])
-
-    def _tear(self, node: FileNode, rng: random.Random, counts: dict[str, int]) -> None:
-        """Torn mode for one file: one coin for the size change, one per dirty page (in order)."""
-        size = node.durable_size
-        if node.live_size != node.durable_size or node.floor < node.durable_size:
-            if rng.random() < 0.5:
-                os.ftruncate(node.fd, node.floor)
-                size = node.live_size
-                counts["sizes_kept"] += 1
-            else:
-                counts["sizes_lost"] += 1
-        os.ftruncate(node.fd, size)
-        for idx in sorted(node.dirty):
-            keep = rng.random() < 0.5
-            start = idx * PAGE_SIZE
-            if keep and start < size:
-                os.pwrite(node.fd, bytes(node.dirty[idx][: min(PAGE_SIZE, size - start)]), start)
-            counts["kept" if keep else "lost"] += 1
-
-    def _close_all(self) -> None:
-        for node in self.files.values():
-            if node.fd >= 0:
-                os.close(node.fd)
-                node.fd = -1
-        self.handles.clear()
-        shutil.rmtree(self.store, ignore_errors=True)
+        return power_cut(self, mode, seed, backing)
 
     # ---- checks ------------------------------------------------------------------------
 
