@@ -225,13 +225,15 @@ def _lmdb_cycle(fs: PowerFS, seed: int, *, nosync: bool,
     """Run the LMDB workload to a seeded number of acks (+ a seeded delay), cut, check."""
     rng = random.Random(seed)
     ack_path = fs.root / ack_name
-    with fs:
+    err_path = fs.root / f"{ack_name}.stderr"
+    with fs, open(err_path, "wb") as err:
         child = fs.spawn([sys.executable, "-m", "tests.crash.workloads", "lmdb",
                           str(fs.mnt / "db"), str(ack_path), "--seed", str(seed),
-                          *(["--nosync"] if nosync else [])])
+                          *(["--nosync"] if nosync else [])], stderr=err)
         wait_for_acks(ack_path, rng.randint(5, 60), proc=child)
-        assert child.poll() is None, "the workload died before the cut"
+        assert child.poll() is None, f"the workload died: {err_path.read_text()[-2000:]}"
         time.sleep(rng.uniform(0, 0.004))
+        fs.check()
         report = fs.power_cut()
     acks = read_acks(ack_path)
     problems = check_lmdb_in_child(fs.backing / "db", ack_path, seed)
