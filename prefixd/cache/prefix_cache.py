@@ -132,11 +132,11 @@ class PrefixCache:
 
     # -- mutations -----------------------------------------------------------------------
 
-    def open(self, tokens, extra: bytes = b"") -> Sequence:
+    def open(self, tokens, extra: bytes = b"", *, full_match: bool = False) -> Sequence:
         """Share the longest cached run of ``tokens`` and allocate blocks for the rest.
 
-        At most ``len(tokens) - 1`` tokens are served from the cache: the engine must compute
-        the last one to get its logits.
+        At most ``len(tokens) - 1`` tokens are served from the cache (the engine must compute
+        the last one to get its logits), unless ``full_match`` (a reclaim after a restart).
 
         Raises:
             InvalidTokens: empty or malformed tokens.
@@ -150,7 +150,7 @@ class PrefixCache:
             raise InvalidTokens("cannot open an empty sequence")
         tree = self.tree
         root = tree.roots.get(extra) or tree.root(extra)
-        path = tree.match(root, tokens, (num_tokens - 1) // bs)
+        path = tree.match(root, tokens, (num_tokens - (not full_match)) // bs)
         if path and path[-1].slots[DEVICE] is None:
             path = self.tiering.promote(path)
         if path:

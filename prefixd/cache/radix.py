@@ -223,6 +223,17 @@ class RadixTree:
                 if self._evictable(node, tier):
                     self.queues[tier].add(node)
 
+    def rebuild_queues(self) -> None:
+        """Fresh eviction queues holding exactly the evictable nodes (after recovery)."""
+        policy = self.queues[0].policy
+        self.queues = [EvictionQueue(t, policy) for t in range(NUM_TIERS)]
+        for node in self.nodes():
+            node.heap_tag = [0, 0, 0]
+        for node in self.nodes():
+            for tier in self.tiers:
+                if self._evictable(node, tier):
+                    self.queues[tier].add(node)
+
     def nodes(self):
         """Every non-root node, parents before children."""
         stack = list(self.roots.values())

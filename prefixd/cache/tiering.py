@@ -29,10 +29,19 @@ import logging
 
 from prefixd.cache.events import BlocksDropped, BlocksMoved, new_event
 from prefixd.cache.node import DEVICE, DISK, HOST, TIER_NAMES, Node, split
+from prefixd.faults import crash_point
 
 log = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_back", "selective")
+
+
+def _attached(node: Node) -> bool:
+    while node.parent is not None:
+        if node.parent.children.get(node.key) is not node:
+            return False
+        node = node.parent
+    return True
 
 
 class Tiering:
@@ -58,6 +67,8 @@ class Tiering:
         self.selective_hits = selective_hits
         self.lower = [t for t in (HOST, DISK) if self.allocs[t] is not None]
         self.defer_frees = False  # set by the durable engine: lower-tier slots wait for the WAL
+        self.defer_disk = False   # set by the durable engine: write-through to disk is batched
+        self.pending_disk: list[Node] = []
 
     # -- allocation and eviction ----------------------------------------------------------
 
@@ -89,6 +100,7 @@ class Tiering:
                     tree.unlock(node)  # re-queues it in the tier it went down to
             else:
                 freed += self.drop(node, tier)
+            crash_point("evict_inside")
         return freed
 
     def drop(self, node: Node, tier: int) -> int:
@@ -200,7 +212,19 @@ class Tiering:
         if self.write_policy != "write_through":
             return
         for tier in self.lower:
-            self.write_down(node, tier)
+            if tier == DISK and self.defer_disk:
+                self.pending_disk.append(node)
+            else:
+                self.write_down(node, tier)
+
+    def spill(self) -> int:
+        """Write the runs waiting for disk (``defer_disk``); returns how many went down."""
+        pending, self.pending_disk = self.pending_disk, []
+        done = 0
+        for node in pending:
+            if node.slots[DISK] is None and _attached(node) and self.write_down(node, DISK):
+                done += 1
+        return done
 
     # -- promotion -----------------------------------------------------------------------
 
@@ -247,19 +271,18 @@ class Tiering:
                 bad = result.bad_positions
                 if bad:
                     good = bad[0]
-                    log.warning("disk checksum mismatch: %d block(s) dropped, first slot=%d",
+                    log.warning("disk checksum mismatch: %d block(s) bad, first slot=%d",
                                 len(bad), n.slots[src][good])
-                    stats.corrupt_blocks += len(bad)
             if good < n.num_blocks:
-                if good:
-                    head = split(n, good, self.tree.block_bytes)  # n keeps the bad tail
+                head = self.cut_corrupt(n, good)
+                if head is not None:
                     self.tree.set_residency(head, DEVICE, dst[:good])
                     self._moved(head, DEVICE)
                     stats.hit_tokens_by_tier[src] += good * bs
                     done.append(head)
                     pos += good
-                self._drop_disk_subtree(n)
                 break
+            crash_point("promote_inside")
             self.tree.set_residency(n, DEVICE, dst)
             self._moved(n, DEVICE)
             stats.hit_tokens_by_tier[src] += n.num_blocks * bs
@@ -271,6 +294,14 @@ class Tiering:
 
     def _moved(self, node: Node, tier: int) -> None:
         self.cache.events.append(new_event(BlocksMoved, (tier, node.hashes, node.slots[tier], node.checksums or [])))
+
+    def cut_corrupt(self, node: Node, good: int) -> Node | None:
+        """Block ``good`` of ``node`` failed its disk checksum: forget it and everything below it
+        on disk. Returns the run of the ``good`` blocks before it (``None`` when ``good == 0``)."""
+        head = split(node, good, self.tree.block_bytes) if good else None  # node keeps the tail
+        self.cache.stats.corrupt_blocks += 1
+        self._drop_disk_subtree(node)
+        return head
 
     def _drop_disk_subtree(self, node: Node) -> None:
         """A corrupt disk run: forget it and everything below it on disk (post-order)."""

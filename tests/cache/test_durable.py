@@ -1,0 +1,200 @@
+"""The durable cache: restart recovery, reclaim, checkpoints, free-before-reuse, refusals."""
+
+import os
+
+import pytest
+
+from prefixd.cache.durable import DurabilityError, DurableCache
+from prefixd.cache.node import DISK, HOST
+from prefixd.storage.tiers import Tier
+from prefixd.wal import EnvAlreadyOpenError, StateMismatchError
+from tests.cache.helpers import StoreTokens, tiny_layout
+
+BS = 2
+LAYOUT = tiny_layout(BS)
+
+
+@pytest.fixture
+def make(tmp_path):
+    """``make(**kw) -> DurableCache`` over one state dir; closes what is left open."""
+    made = []
+
+    def _make(sizes=(8, 8, 32), layout=LAYOUT, **kw):
+        kw.setdefault("shm_dir", str(tmp_path / "shm"))
+        os.makedirs(kw["shm_dir"], exist_ok=True)
+        dc = DurableCache(str(tmp_path / "state"), layout, sizes, **kw)
+        made.append(dc)
+        return dc
+
+    yield _make
+    for dc in made:
+        try:
+            dc.close()
+        except Exception:
+            pass
+
+
+def _serve(dc, tokens, durability="crash"):
+    """Open, write KV, commit at ``durability``, release; like an engine would."""
+    pool = StoreTokens(dc.store, BS)
+    seq = dc.open(tokens)
+    pool.write(seq.block_table, tokens, seq.cached_tokens)
+    dc.commit(seq.id, durability)
+    dc.release(seq.id)
+    return seq
+
+
+def _check_hit(dc, tokens):
+    """Reopen ``tokens``: every whole block but the last token's is a hit with the right bytes."""
+    seq = dc.open(tokens)
+    want = (len(tokens) - 1) // BS * BS
+    assert seq.cached_tokens == want, (seq.cached_tokens, want)
+    StoreTokens(dc.store, BS).check(seq.block_table[: want // BS], tokens[:want])
+    dc.release(seq.id)
+
+
+def test_committed_prefixes_are_hits_with_the_same_bytes_after_a_restart(make):
+    dc = make()
+    prompts = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 7, 7, 7], [9, 9, 9, 9, 9]]
+    for p in prompts:
+        _serve(dc, p)
+    dc.close()
+    dc = make()
+    assert dc.recovery["records_replayed"] > 0
+    for p in prompts:
+        _check_hit(dc, p)
+    dc.check_invariants()
+
+
+def test_a_restart_without_the_host_pool_serves_from_disk(make, tmp_path):
+    dc = make()
+    _serve(dc, [5, 6, 7, 8, 1], durability="power")
+    dc.close()
+    for name in os.listdir(tmp_path / "shm"):
+        os.unlink(tmp_path / "shm" / name)  # as after a reboot
+    dc = make()
+    assert dc.recovery["keep_host"] is False
+    assert dc.lookup([5, 6, 7, 8, 1]).disk_tokens == 4
+    _check_hit(dc, [5, 6, 7, 8, 1])
+    assert dc.cache.stats.hit_tokens_by_tier[DISK] == 4
+
+
+def test_power_commits_reach_disk_and_crash_commits_reach_host(make):
+    dc = make(sizes=(8, 8, 32))
+    _serve(dc, [1, 1, 1, 1, 0], durability="crash")
+    node = next(dc.cache.tree.nodes())
+    assert node.slots[HOST] is not None
+    _serve(dc, [2, 2, 2, 2, 0], durability="power")
+    node2 = [n for n in dc.cache.tree.nodes() if n is not node][0]
+    assert node2.slots[DISK] is not None
+
+
+def test_recovered_sequences_are_cut_to_their_committed_blocks_and_reclaimed(make):
+    dc = make()
+    pool = StoreTokens(dc.store, BS)
+    tokens = [3, 3, 4, 4, 5, 5, 6]
+    seq = dc.open(tokens, session_id=7)
+    pool.write(seq.block_table, tokens, 0)
+    dc.commit(seq.id)
+    dc.extend(seq.id, [8, 8, 8])  # uncommitted: does not survive
+    dc.close()
+    dc = make()
+    assert list(dc.recovered) == [seq.id]
+    assert dc.recovered[seq.id].num_tokens == 6
+    got = dc.reclaim(7)
+    assert len(got) == 1 and got[0].old_id == seq.id and got[0].num_tokens == 6
+    new = got[0].seq
+    pool = StoreTokens(dc.store, BS)
+    pool.check(new.block_table, tokens[:6])
+    assert not dc.recovered
+    dc.check_invariants()
+    dc.release(new.id)
+    dc.close()
+    dc = make()
+    assert not dc.recovered, "a reclaimed sequence must not come back again"
+
+
+def test_unclaimed_recovered_sequences_are_released_after_the_grace_period(make):
+    dc = make()
+    seq = dc.open([1, 2, 3, 4, 5], session_id=3)
+    dc.commit(seq.id)
+    dc.close()
+    dc = make(reclaim_grace_s=0.0)
+    assert dc.recovered
+    dc.tick()
+    assert not dc.recovered
+    assert dc.lookup([1, 2, 3, 4, 5]).cached_tokens == 4  # blocks stay cached
+    dc.check_invariants()
+    dc.close()
+    dc = make()
+    assert not dc.recovered
+
+
+def test_checkpoint_then_tail_replay_rebuilds_the_same_index(make):
+    dc = make(checkpoint_records=10**9)
+    prompts = [[i % 3, 1, 2, i, i, 4, 5] for i in range(6)]
+    for p in prompts[:3]:
+        _serve(dc, p)
+    dc.checkpoint()
+    for p in prompts[3:]:
+        _serve(dc, p)
+    before = {tuple(p): dc.lookup(p).cached_tokens for p in prompts}
+    dc.close()
+    dc = make()
+    after = {tuple(p): dc.lookup(p).cached_tokens for p in prompts}
+    assert after == before
+    for p in prompts:
+        _check_hit(dc, p)
+    dc.check_invariants()
+
+
+def test_evicted_lower_tier_slots_wait_for_the_log_before_reuse(make):
+    dc = make(sizes=(4, 2, 4), write_policy="write_back")
+    _serve(dc, [1, 2, 3, 4, 5], durability="index")
+    dc.cache.evict(4)          # device -> host
+    dc.cache.evict(2, HOST)    # host -> disk: host slots quarantined
+    assert dc.cache.allocators[HOST].num_deferred == 2
+    dc._log()
+    dc.wal.flush().result()
+    dc._reclaim()
+    assert dc.cache.allocators[HOST].num_deferred == 0
+    dc.check_invariants()
+
+
+def test_a_commit_that_cannot_be_made_durable_says_so(make):
+    dc = make(sizes=(8, 1, 0))
+    seq = dc.open([1, 2, 3, 4, 5])
+    with pytest.raises(DurabilityError, match="no room in the host tier"):
+        dc.commit(seq.id, "crash")
+
+
+def test_eager_verify_cuts_a_corrupt_disk_block_at_recovery(make):
+    dc = make()
+    _serve(dc, [1, 2, 3, 4, 5, 6, 7], durability="power")
+    node = next(n for n in dc.cache.tree.nodes() if n.slots[DISK] is not None)
+    pool = dc.store.pool(Tier.DISK)
+    bad_slot = node.slots[DISK][1]
+    path = pool.path
+    dc.close()
+    with open(path, "r+b") as f:
+        f.seek(pool.offset(bad_slot))
+        f.write(b"\xff" * 8)
+    dc = make(verify="eager")
+    assert dc.recovery["verified_blocks"] >= 3
+    assert dc.cache.stats.corrupt_blocks == 1
+    # host copy (same boot) still serves all three blocks; disk lost the 2nd and 3rd
+    assert dc.lookup([1, 2, 3, 4, 5, 6, 7]).cached_tokens == 6
+    dc.check_invariants()
+
+
+def test_a_state_dir_with_another_layout_is_refused(make):
+    make().close()
+    other = tiny_layout(4)
+    with pytest.raises(StateMismatchError):
+        make(layout=other)
+
+
+def test_a_second_cache_on_the_same_state_dir_is_refused(make):
+    make()
+    with pytest.raises(EnvAlreadyOpenError):
+        make()
