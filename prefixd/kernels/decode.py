@@ -72,7 +72,7 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,  # keys per loop step
     SPLIT: tl.constexpr,  # write partials for the combine kernel instead of the output
     UPCAST: tl.constexpr,  # dot in fp32 (the interpreter multiplies bf16 bit patterns)
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no silent tf32), else "tf32"
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (and upcast) inputs: no silent tf32
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
@@ -275,7 +275,7 @@ def paged_decode(
         BLOCK_N=_BLOCK_N,
         SPLIT=split,
         UPCAST=interpret,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 or interpret else "tf32",
         num_warps=4,
         num_stages=2,
     )

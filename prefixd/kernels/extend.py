@@ -59,7 +59,7 @@ def _paged_extend_kernel(
     BLOCK_M: tl.constexpr,  # query rows per program, a power of two >= 16
     BLOCK_N: tl.constexpr,  # keys per loop step
     UPCAST: tl.constexpr,  # dot in fp32 (the interpreter multiplies bf16 bit patterns)
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no silent tf32), else "tf32"
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (and upcast) inputs: no silent tf32
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -170,6 +170,7 @@ def paged_extend(
     tokens_per_tile = block_m // s.query_group
     num_tiles = cdiv(max(1, max_query_len), tokens_per_tile)
     scale = s.head_dim**-0.5 if scale is None else scale
+    interpret = is_interpreted(query.device)
     kernel = kernel_for(_paged_extend_kernel, query.device)
     kernel[(num_tiles, s.num_seqs, s.num_kv_heads)](
         out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
@@ -186,8 +187,8 @@ def paged_extend(
         BLOCK_SIZE=s.block_size,
         BLOCK_M=block_m,
         BLOCK_N=_BLOCK_N,
-        UPCAST=is_interpreted(query.device),
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        UPCAST=interpret,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 or interpret else "tf32",
         num_warps=4,
         num_stages=2,
     )
