@@ -396,5 +396,5 @@ class DurableCache:
         self.close()
 
     def check_invariants(self) -> None:
-        self.cache.check_invariants()
+        self.cache.check_invariants([r.node for r in self.recovered.values()])
         self.wal.check_invariants()

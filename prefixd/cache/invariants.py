@@ -48,7 +48,8 @@ def check_tree(tree) -> dict:
     return seen
 
 
-def check_cache(cache) -> None:
+def check_cache(cache, extra_locks=()) -> None:
+    """``extra_locks``: nodes locked by holders other than live sequences (recovered ones)."""
     tree = cache.tree
     bb, bs = cache.block_bytes, cache.block_size
     nodes = check_tree(tree)
@@ -60,7 +61,7 @@ def check_cache(cache) -> None:
             owners.update(node.slots[DEVICE])
     assert all(c == 1 for c in owners.values()), "a device slot is in the index twice"
 
-    locks: Counter = Counter()
+    locks: Counter = Counter(id(n) for n in extra_locks)
     tails: Counter = Counter()
     private: Counter = Counter()
     for seq_id, seq in cache._seqs.items():

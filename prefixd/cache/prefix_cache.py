@@ -363,8 +363,10 @@ class PrefixCache:
         else:
             del self._shared_tail[slot]
 
-    def check_invariants(self) -> None:
-        """Full consistency check (tests call it after every step; never the hot path)."""
+    def check_invariants(self, extra_locks=()) -> None:
+        """Full consistency check (tests call it after every step; never the hot path).
+
+        ``extra_locks``: nodes locked by holders other than live sequences."""
         from prefixd.cache.invariants import check_cache
 
-        check_cache(self)
+        check_cache(self, extra_locks)

@@ -68,10 +68,15 @@ def run(args) -> None:
         if rng.random() < 0.1:
             dc.release(seq.id)  # abandoned: never acknowledged
             continue
-        dc.commit(seq.id, args.durability)
         full = len(tokens) // BS * BS
-        if full:
-            acks.ack(f"{args.durability} {np.asarray(tokens[:full], '<i4').tobytes().hex()}")
+        line = f"{args.durability} {np.asarray(tokens[:full], '<i4').tobytes().hex()}"
+        if args.plant == "ack-before-commit" and full:
+            acks.ack(line)  # planted bug: acknowledged before anything is durable
+            dc.commit(seq.id, "index")
+        else:
+            dc.commit(seq.id, args.durability)
+            if full:
+                acks.ack(line)
         dc.release(seq.id)
         if i % 50 == 49:
             dc.tick()
@@ -135,6 +140,8 @@ def main(argv=None) -> None:
     ap.add_argument("--durability", default="crash", choices=("crash", "power"))
     ap.add_argument("--sync", default="commit")
     ap.add_argument("--requests", type=int, default=10**9)
+    ap.add_argument("--plant", default="", choices=("", "ack-before-commit"),
+                    help="a planted bug, to show that a crash test catches it")
     run(ap.parse_args(argv))
 
 
