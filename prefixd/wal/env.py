@@ -23,6 +23,7 @@ from typing import TypeVar
 
 import lmdb
 
+from prefixd.wal.datafile import check_data_file
 from prefixd.wal.errors import EnvAlreadyOpenError, ForkedEnvError, WalError
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class WalEnv:
 
         Raises:
             EnvAlreadyOpenError: this process already has it open.
+            WalCorruptError: ``data.mdb`` is shorter than its meta page says (truncated).
             lmdb.Error: LMDB could not open the files.
         """
         self.state_dir = os.path.realpath(state_dir)
@@ -119,6 +121,7 @@ class WalEnv:
         try:
             path = os.path.join(self.state_dir, ENV_DIR)
             os.makedirs(path, mode=0o750, exist_ok=True)
+            check_data_file(os.path.join(path, "data.mdb"), self.state_dir)  # a SIGBUS otherwise
             self.env = lmdb.open(
                 path, map_size=map_size, subdir=True, max_dbs=MAX_DBS, sync=sync, metasync=True,
                 lock=True,
