@@ -187,6 +187,11 @@ class DurableCache:
             wal.append(Kind.RECOVER, wal.open_epoch(), int(keep_host))
             self._log()
             wal.flush().result()
+            if not keep_host and Tier.HOST in self.store.file_ids:
+                # NOTE: the host pool was just created with a new file id, and file ids are
+                # persisted only by checkpoints: without one, the next restart on this boot
+                # would find this file, expect the old id and refuse to start.
+                self.checkpoint()
         self._reclaim_deadline = time.monotonic() + reclaim_grace_s
         phases["ready_s"] = time.perf_counter() - t0
         phases["keep_host"] = keep_host
