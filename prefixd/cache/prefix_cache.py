@@ -161,7 +161,10 @@ class PrefixCache:
                 table = []
                 for n in path:
                     table += n.slots[DEVICE]
-            tree.lock(node)
+            if node.lock_ref:
+                node.lock_ref += 1
+            else:
+                tree.lock(node)
             deepest_hash = node.hashes[-1]
         else:
             node = root
@@ -252,11 +255,16 @@ class PrefixCache:
 
     def release(self, seq_id: int, *, commit: bool = False) -> None:
         """Drop the sequence: indexed blocks stay cached, private ones are freed."""
-        seq = self.sequence(seq_id)
         if commit:
-            self._commit(seq)
-        del self._seqs[seq_id]
-        self.tree.unlock(seq.node)
+            self._commit(self.sequence(seq_id))
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise UnknownSequence(seq_id)
+        node = seq.node
+        if node.lock_ref > 1:
+            node.lock_ref -= 1
+        else:
+            self.tree.unlock(node)
         owned = seq.block_table[seq.num_indexed:]
         shared = self._shared_tail
         if owned and shared and owned[-1] in shared:
@@ -304,15 +312,16 @@ class PrefixCache:
             self.stats.evict_ns += time.perf_counter_ns() - start
             return freed
         tree, freed = self.tree, 0
-        events = self.events
+        pop, drop = tree.queues[DEVICE].pop, tree.drop_residency
+        free, append = self.device.free, self.events.append
         while freed < num_blocks:
-            node = tree.pop_victim(DEVICE)
+            node = pop()
             if node is None:
                 break
-            slots, forgotten = tree.drop_residency(node, DEVICE)
-            self.device.free(slots)
+            slots, forgotten = drop(node, DEVICE)
+            free(slots)
             freed += len(slots)
-            events.append(new_event(BlocksDropped, (DEVICE, node.hashes, slots, forgotten)))
+            append(new_event(BlocksDropped, (DEVICE, node.hashes, slots, forgotten)))
         self.stats.evicted_blocks += freed
         self.stats.evict_ns += time.perf_counter_ns() - start
         return freed

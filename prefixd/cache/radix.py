@@ -185,18 +185,22 @@ class RadixTree:
         slots = node.slots[tier]
         node.slots[tier] = None
         self.num_blocks_in[tier] -= node.num_blocks
-        self.queues[tier].discard(node)
+        if node.heap_tag[tier]:
+            self.queues[tier].discard(node)
         parent = node.parent
-        parent.kids_in[tier] -= 1
-        if not parent.kids_in[tier] and self._evictable(parent, tier):
+        kids = parent.kids_in
+        kids[tier] -= 1
+        if not kids[tier] and self._evictable(parent, tier):
             self.queues[tier].add(parent)
-        forgotten = node.slots[0] is None and node.slots[1] is None and node.slots[2] is None
-        if forgotten:
-            assert not node.children, "a node resident nowhere still has children"
+        s = node.slots
+        if s[0] is None and s[1] is None and s[2] is None:
             del parent.children[node.key]
-            for t in range(NUM_TIERS):
-                self.queues[t].discard(node)
-        return slots, forgotten
+            tags = node.heap_tag
+            if tags[0] or tags[1] or tags[2]:
+                for queue in self.queues:
+                    queue.discard(node)
+            return slots, True
+        return slots, False
 
     def pop_victim(self, tier: int) -> Node | None:
         """The next node to evict from ``tier`` (removed from its queue), or ``None``.
