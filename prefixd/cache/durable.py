@@ -27,6 +27,7 @@ from prefixd.cache.prefix_cache import PrefixCache
 from prefixd.cache.records import event_records
 from prefixd.cache.replay import ZERO_HASH, Replayer, reconcile
 from prefixd.faults import crash_point
+from prefixd.storage.errors import StorageError
 from prefixd.storage.tiers import Tier, TierStore
 from prefixd.wal import Kind, Wal
 
@@ -245,7 +246,8 @@ class DurableCache:
 
         Raises:
             UnknownSequence, ValueError (bad durability), DurabilityError,
-            prefixd.wal.WalFailedError (the log can no longer make anything durable).
+            prefixd.wal.WalFailedError (the log can no longer make anything durable; also when
+            the disk pool's fdatasync failed, which poisons the log).
         """
         if durability not in DURABILITY:
             raise ValueError(f"durability must be one of {DURABILITY}, got {durability!r}")
@@ -294,9 +296,18 @@ class DurableCache:
         events = self.cache.drain_events()
         if not events:
             return
+        if self.wal.failure is not None:  # no more fdatasyncs: nothing will be acknowledged
+            raise self.wal.failure
         for e in events:
             if type(e) is BlocksMoved and e.tier == DISK:
-                self.store.sync(Tier.DISK)
+                try:
+                    self.store.sync(Tier.DISK)
+                except StorageError as exc:
+                    # NOTE: these events are drained and can never be logged, and the kernel may
+                    # have dropped the pages it failed to write (a retried fdatasync can
+                    # "succeed" over lost bytes): poison the log, so that nothing more is
+                    # acknowledged and the log never goes on without them.
+                    raise self.wal.fail(exc) from exc
                 crash_point("data_synced")
                 break
         append = self.wal.append
@@ -304,7 +315,7 @@ class DurableCache:
             kind, fields, blob = event_records(e, session_id)
             append(kind, *fields, blob=blob)
         self._since_checkpoint += len(events)
-        if len(self.cache.tiering.pending_disk) >= self.spill_blocks:
+        if self.cache.tiering.pending_disk_blocks >= self.spill_blocks:
             self.spill()
         if self._since_checkpoint >= self.checkpoint_records:
             self.checkpoint()

@@ -69,6 +69,7 @@ class Tiering:
         self.defer_frees = False  # set by the durable engine: lower-tier slots wait for the WAL
         self.defer_disk = False   # set by the durable engine: write-through to disk is batched
         self.pending_disk: list[Node] = []
+        self.pending_disk_blocks = 0
 
     # -- allocation and eviction ----------------------------------------------------------
 
@@ -214,12 +215,14 @@ class Tiering:
         for tier in self.lower:
             if tier == DISK and self.defer_disk:
                 self.pending_disk.append(node)
+                self.pending_disk_blocks += node.num_blocks
             else:
                 self.write_down(node, tier)
 
     def spill(self) -> int:
         """Write the runs waiting for disk (``defer_disk``); returns how many went down."""
         pending, self.pending_disk = self.pending_disk, []
+        self.pending_disk_blocks = 0
         done = 0
         for node in pending:
             if node.slots[DISK] is None and _attached(node) and self.write_down(node, DISK):
