@@ -17,7 +17,7 @@ from prefixd.faults import crash_point
 from prefixd.wal.checkpoint import read_checkpoint, write_checkpoint
 from prefixd.wal.codec import Record
 from prefixd.wal.env import DEFAULT_MAP_SIZE, MAX_MAP_SIZE, WalEnv, is_open_here
-from prefixd.wal.errors import EnvAlreadyOpenError, WalClosedError
+from prefixd.wal.errors import EnvAlreadyOpenError, WalClosedError, WalFailedError
 from prefixd.wal.group import GroupCommitter, WalStats
 from prefixd.wal.lock import StateDirLock
 from prefixd.wal.meta import MetaInfo, open_meta
@@ -134,6 +134,28 @@ class Wal:
         if self.sync == "commit":  # every committed group is already fsynced
             return committer.submit(lambda: committer.stats().durable_lsn).result()
         return committer.submit(committer.sync_now).result()
+
+    def fail(self, cause: BaseException) -> WalFailedError:
+        """Poison the log for a failure outside it, and return the error to raise.
+
+        For a caller that can no longer log what it did: typically the fdatasync of a data file
+        that its next records would describe failed, so those records must never be written and
+        nothing after them acknowledged (a retried fdatasync may "succeed" over pages the kernel
+        dropped). Records appended before this call are committed first; the log accepts nothing
+        more, exactly as after a failed commit of its own.
+
+        Returns:
+            The ``WalFailedError`` (``__cause__`` is ``cause`` unless the log had already failed).
+        """
+
+        def job() -> None:
+            raise cause
+
+        try:
+            self._committer.submit(job).result()
+        except WalFailedError as exc:
+            return exc
+        raise AssertionError("a failing job did not poison the log")  # pragma: no cover
 
     # --- checkpoint ---------------------------------------------------------------------------------
 
