@@ -1,0 +1,219 @@
+"""Full disk and failing fsync: no crash, no SIGBUS, nothing acknowledged that is not durable.
+
+* A small tmpfs mounted on the state directory (root only; skipped otherwise): a disk pool that
+  does not fit is refused at start with the asked and free bytes; a state directory that fits the
+  pools but whose LMDB file runs out of room while committing fails that commit, poisons the log,
+  and after space is freed a reopen finds every acknowledged commit intact.
+* An fsync that fails once (the WAL's inside LMDB's commit, or the disk pool's ``fdatasync``):
+  the commit raises, nothing after it is acknowledged (a failed fsync is never retried into a
+  success: the kernel may have dropped the pages it failed to write), the process goes on, and a
+  reopen recovers everything acknowledged before the failure.
+
+Acknowledgements are kept as ``tests.crash.prefixd_workload`` writes them (``power <hex tokens>``)
+and checked with its ``check`` (recover, every ack a full hit with the right bytes, invariants).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+
+import lmdb
+import numpy as np
+import pytest
+
+from prefixd.cache.durable import DurableCache
+from prefixd.storage.errors import SpaceError, StorageError
+from prefixd.storage.poolfile import DATA_OFFSET, free_bytes
+from prefixd.storage.tiers import Tier
+from prefixd.wal import WalFailedError
+from tests.cache.helpers import StoreTokens
+from tests.crash.prefixd_workload import BS, LAYOUT, SIZES, check, open_cache
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """Factory: ``tmpfs(size_bytes) -> path`` of a fresh tmpfs of that size under ``tmp_path``;
+    skips when not root or when mounting fails; every mount is unmounted at teardown."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs on the state directory needs root")
+    mounted: list[str] = []
+
+    def factory(size: int, name: str = "state") -> str:
+        path = tmp_path / name
+        path.mkdir()
+        out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip() or out.returncode}")
+        mounted.append(str(path))
+        return str(path)
+
+    yield factory
+    for path in reversed(mounted):
+        if subprocess.run(["umount", path], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", path], capture_output=True)
+
+
+@pytest.fixture
+def shm_dir(tmp_path):
+    path = tmp_path / "shm"
+    path.mkdir()
+    return str(path)
+
+
+def _prompt(i: int, num_blocks: int = 10) -> list[int]:
+    return [100_000 * (i + 1) + k for k in range(num_blocks * BS + 1)]
+
+
+def _ack(tokens: list[int]) -> str:
+    full = len(tokens) // BS * BS
+    return f"power {np.asarray(tokens[:full], '<i4').tobytes().hex()}"
+
+
+def _serve(dc: DurableCache, tokens: list[int]) -> None:
+    """Open, write KV, commit at ``power``, release: returns only if the commit was acknowledged."""
+    seq = dc.open(tokens)
+    StoreTokens(dc.store, BS).write(seq.block_table, tokens, seq.cached_tokens)
+    dc.commit(seq.id, "power")
+    dc.release(seq.id)
+
+
+def _close_poisoned(dc: DurableCache) -> None:
+    """Close a cache whose log is poisoned: close still releases everything, then may re-raise."""
+    try:
+        dc.close()
+    except WalFailedError:
+        pass
+    assert dc.wal._closed
+
+
+def test_a_disk_pool_that_does_not_fit_is_refused_at_start_with_asked_and_free_bytes(tmpfs, shm_dir):
+    """Guards against a disk pool that is created sparse on a full filesystem and SIGBUSes or
+    fails later, and against a refusal that does not say how much was asked and how much is free."""
+    state = tmpfs(1 << 20)
+    num_disk = 64 << 10  # 64 Ki blocks of 64 bytes: 4 MiB on a 1 MiB filesystem
+    with pytest.raises(SpaceError) as err:
+        DurableCache(state, LAYOUT, (SIZES[0], SIZES[1], num_disk), shm_dir=shm_dir)
+    exc = err.value
+    assert exc.needed_bytes == DATA_OFFSET + num_disk * LAYOUT.block_bytes
+    assert 0 < exc.free_bytes < exc.needed_bytes
+    assert abs(exc.free_bytes - free_bytes(state)) <= 64 << 10
+    msg = str(exc)
+    assert f"asked for {exc.needed_bytes} bytes" in msg and f"free on its filesystem: {exc.free_bytes} bytes" in msg
+    assert exc.path.startswith(state) and exc.path in msg
+    assert not [n for n in os.listdir(state) if n.endswith(".tmp")], "a half-made pool file was left"
+    dc = open_cache(state, shm_dir)  # the state directory is still usable with pools that fit
+    try:
+        _serve(dc, _prompt(0))
+    finally:
+        dc.close()
+    check(state, shm_dir, [_ack(_prompt(0))])
+
+
+def test_lmdb_out_of_space_fails_the_commit_and_keeps_every_acknowledged_one(tmpfs, shm_dir):
+    """Guards against a commit acknowledged although its records could not be written (ENOSPC
+    from LMDB), against a SIGBUS or a dead process when LMDB cannot grow, and against losing
+    earlier acknowledged commits once space is back."""
+    state = tmpfs(2 << 20)
+    dc = open_cache(state, shm_dir)
+    filler = os.path.join(state, "filler")
+    fd = os.open(filler, os.O_CREAT | os.O_WRONLY, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, free_bytes(state) - (64 << 10))  # leave LMDB 64 KiB to grow in
+    finally:
+        os.close(fd)
+    acks: list[str] = []
+    failure = None
+    for i in range(SIZES[2] // 10 - 1):  # never more than the disk tier holds: nothing is evicted
+        tokens = _prompt(i)
+        try:
+            _serve(dc, tokens)
+        except WalFailedError as exc:
+            failure = exc
+            break
+        acks.append(_ack(tokens))
+    assert failure is not None, f"LMDB never ran out of space in {len(acks)} commits"
+    assert acks, "the first commit already failed: the filler left too little room"
+    assert isinstance(failure.__cause__, lmdb.Error), repr(failure.__cause__)
+    assert "No space left" in str(failure.__cause__), failure.__cause__
+    with pytest.raises(WalFailedError):
+        _serve(dc, _prompt(10_000, num_blocks=1))  # poisoned: never acknowledged again,
+    os.unlink(filler)
+    with pytest.raises(WalFailedError):
+        _serve(dc, _prompt(10_001, num_blocks=1))  # not even once space is back
+    _close_poisoned(dc)
+    result = check(state, shm_dir, acks)
+    assert result["acks"] == len(acks)
+
+
+def test_a_failed_wal_fsync_poisons_the_log_and_is_never_retried(tmp_path, shm_dir, monkeypatch):
+    """Guards against a commit acknowledged after its group's fsync failed, and against the
+    committer retrying the failed group (a later fsync "succeeding" over pages the kernel
+    dropped): the failure must poison the log for good, and a restart recovers the rest."""
+    state = str(tmp_path / "state")
+    dc = open_cache(state, shm_dir)
+    acks = []
+    for i in range(3):
+        _serve(dc, _prompt(i))
+        acks.append(_ack(_prompt(i)))
+    wenv = dc.wal._wenv
+    real_write = wenv.write
+    calls = {"failed": 0, "after": 0}
+
+    def write(fn):
+        if not calls["failed"]:
+            calls["failed"] = 1  # as mdb_txn_commit does when its fdatasync fails: txn aborted
+            raise lmdb.DiskError("mdb_txn_commit: fdatasync: Input/output error (injected)")
+        calls["after"] += 1
+        return real_write(fn)
+
+    monkeypatch.setattr(wenv, "write", write)
+    with pytest.raises(WalFailedError) as err:
+        _serve(dc, _prompt(3))
+    assert isinstance(err.value.__cause__, lmdb.DiskError)
+    with pytest.raises(WalFailedError):
+        _serve(dc, _prompt(4))
+    with pytest.raises(WalFailedError):
+        dc.wal.commit_now()
+    assert dc.wal.failure is not None
+    assert calls["after"] == 0, "the log wrote again after a failed fsync"
+    _close_poisoned(dc)
+    assert calls["after"] == 0, "close retried the failed group"
+    assert check(state, shm_dir, acks)["acks"] == 3
+
+
+def test_a_failed_disk_pool_fdatasync_fails_the_commit_and_is_never_retried(tmp_path, shm_dir, monkeypatch):
+    """Guards against a power commit acknowledged after the disk pool's fdatasync failed, or
+    after a retried fdatasync "succeeded" over pages the kernel dropped (fsyncgate): no later
+    power commit may be acknowledged by that process, and a restart recovers every earlier one."""
+    state = str(tmp_path / "state")
+    dc = open_cache(state, shm_dir)
+    acks = []
+    for i in range(3):
+        _serve(dc, _prompt(i))
+        acks.append(_ack(_prompt(i)))
+    pool_fd = dc.store.pool(Tier.DISK).fd
+    real_fdatasync = os.fdatasync
+    calls = {"failed": 0, "after": 0}
+
+    def fdatasync(fd):
+        if fd == pool_fd:
+            if not calls["failed"]:
+                calls["failed"] = 1
+                raise OSError(errno.EIO, "Input/output error (injected)")
+            calls["after"] += 1
+        return real_fdatasync(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    with pytest.raises(WalFailedError) as err:
+        _serve(dc, _prompt(3))
+    assert isinstance(err.value.__cause__, StorageError) and "fdatasync" in str(err.value.__cause__)
+    assert dc.wal.failure is err.value
+    for i in (4, 5):
+        with pytest.raises(WalFailedError):
+            _serve(dc, _prompt(i, num_blocks=1))
+    assert calls["after"] == 0, "the disk pool's fdatasync was retried after it failed"
+    _close_poisoned(dc)
+    assert check(state, shm_dir, acks)["acks"] == 3
