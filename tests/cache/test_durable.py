@@ -198,3 +198,22 @@ def test_a_second_cache_on_the_same_state_dir_is_refused(make):
     make()
     with pytest.raises(EnvAlreadyOpenError):
         make()
+
+
+def test_eviction_order_survives_a_restart(make):
+    """Regression guard: recovery must restore last-access order, not insertion order."""
+    dc = make(sizes=(8, 8, 32))
+    for first in (10, 20, 30):
+        _serve(dc, [first, 1, 2, 3, 0], durability="index")
+    seq = dc.open([10, 1, 2, 3, 0])  # 10 is now the most recent; 20 the least
+    dc.release(seq.id)
+    dc.commit(dc.open([40, 1, 2, 3, 0]).id, "crash")  # make the log durable
+    dc.close()
+    dc = make(sizes=(8, 8, 32))
+    dc.expire_recovered()
+    host = dc.cache.tree.queues[HOST]
+    order = []
+    while (node := host.pop()) is not None:
+        order.append(int.from_bytes(node.tokens[:4], "little") if node.parent.parent is None else None)
+    firsts = [f for f in order if f is not None]
+    assert firsts.index(20) < firsts.index(30) < firsts.index(10), firsts
