@@ -342,7 +342,10 @@ class PrefixCache:
                 if mine != theirs:
                     seq.dup_slots.append(mine)
                     table[first + i] = theirs
-        self.tree.unlock(node)  # insert locked ``deepest``, always a descendant of ``node``
+        if node.lock_ref > 1:  # insert locked ``deepest``, always a descendant of ``node``
+            node.lock_ref -= 1
+        else:
+            self.tree.unlock(node)
         seq.node = deepest
         seq.num_indexed = num_full
         events = self.events

@@ -222,9 +222,10 @@ class RadixTree:
 
     def unlock(self, node: Node) -> None:
         node.lock_ref -= 1
-        if not node.lock_ref:
+        if not node.lock_ref and node.parent is not None:
+            slots, kids = node.slots, node.kids_in
             for tier in self.tiers:
-                if self._evictable(node, tier):
+                if slots[tier] is not None and not kids[tier]:
                     self.queues[tier].add(node)
 
     def rebuild_queues(self) -> None:
