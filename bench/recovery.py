@@ -1,0 +1,277 @@
+"""Recovery time (process start -> ready) with 10k / 100k / 1M cached blocks, and WAL throughput.
+
+For each n: a state directory is built through ``DurableCache`` itself (the same code that serves
+requests, ``sync="none"`` and ``durability="index"`` to build fast): shared system prompts
+(8-150 blocks) with many conversations branching off them and further turns branching off
+those (8-150 blocks each), written through to a disk tier until n blocks are cached; a
+checkpoint is taken (``checkpoint_write_s``); then a tail of exactly ``--tail`` log records of
+realistic traffic (new turns, re-opens of cached prefixes, commits of new blocks, releases,
+device/host/disk evictions) is appended after it, and the cache is closed without another
+checkpoint. The page cache is dropped (root only; ``page_cache_dropped`` says whether it was),
+then a FRESH Python process opens the state directory: it stamps the time on its first line,
+imports ``prefixd``, and constructs ``DurableCache`` (the constructor is recovery); its
+``recovery`` phases come back as JSON. Done with ``verify="lazy"`` and ``"eager"``.
+
+``recovery.<n>.ready_s`` is the constructor's own clock (open -> ready), split into ``open_s``,
+``checkpoint_load_s``, ``replay_s``, ``reconcile_s`` (+ the RECOVER record). Interpreter
+start-up and imports (torch, via the storage tiers) are reported beside it, not inside it:
+``process_to_ready_s`` = parent's clock before spawning -> constructor returned.
+
+The KV layout is tiny (1 layer, 1 head, head_dim 2, float32, 16 tokens per block: 256 B per
+block), so pool files stay small: this bench is about the index, not the bytes.
+
+``wal``: ``bench/wal.py``'s floor and wal loops at 64 records per durable commit, in this run.
+
+Usage: ``python bench/recovery.py --json [--sizes 10000,100000,1000000] [--tail 100000]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+from prefixd.api.layout import KVLayout  # noqa: E402
+from prefixd.cache.durable import DurableCache  # noqa: E402
+
+BLOCK_SIZE = 16
+LAYOUT = KVLayout("bench-tiny", num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32",
+                  block_size=BLOCK_SIZE)
+DEVICE_BLOCKS = 2048
+HOST_BLOCKS = 8192
+VOCAB = 128256
+
+CHILD = r"""
+import time
+t_first = time.time()
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from prefixd.api.layout import KVLayout
+from prefixd.cache.durable import DurableCache
+t_imported = time.time()
+args = json.loads(sys.argv[2])
+layout = KVLayout(**args["layout"])
+dc = DurableCache(args["state"], layout, tuple(args["sizes"]), shm_dir=args["shm"], verify=args["verify"])
+t_ready = time.time()
+rec = dict(dc.recovery)
+rec["tree_blocks"] = sum(n.num_blocks for n in dc.cache.tree.nodes())
+rec["tree_nodes"] = sum(1 for _ in dc.cache.tree.nodes())
+dc.close()
+print(json.dumps({"t_first": t_first, "t_imported": t_imported, "t_ready": t_ready, "recovery": rec}))
+"""
+
+
+class Traffic:
+    """Seeded request generator: system prompts, conversations branching off them, turns."""
+
+    def __init__(self, seed: int, num_systems: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.systems = [self.tokens(self.run_len()) for _ in range(num_systems)]
+        self.convs: list[bytes] = []  # prompts served so far (prefixes to continue)
+
+    def run_len(self, lo: int = 8, hi: int = 150) -> int:
+        return int(self.rng.integers(lo, hi + 1))
+
+    def tokens(self, num_blocks: int) -> bytes:
+        return self.rng.integers(0, VOCAB, num_blocks * BLOCK_SIZE, dtype="<i4").tobytes()
+
+    def next_prompt(self, lo: int, hi: int, p_new: float) -> bytes:
+        """A new conversation on a system prompt, or one more turn of an earlier one."""
+        rng = self.rng
+        if not self.convs or rng.random() < p_new:
+            base = self.systems[int(rng.integers(len(self.systems)))]
+        else:
+            base = self.convs[int(rng.integers(len(self.convs)))]
+            if len(base) > 600 * BLOCK_SIZE * 4:  # keep prompts within the device tier
+                base = base[: 300 * BLOCK_SIZE * 4]
+        prompt = base + self.tokens(self.run_len(lo, hi)) + self.tokens(1)[:4 * 3]  # + 3 loose tokens
+        self.convs.append(prompt)
+        if len(self.convs) > 4096:
+            self.convs = self.convs[-2048:]
+        return prompt
+
+
+def serve(dc: DurableCache, prompt: bytes) -> None:
+    seq = dc.open(prompt)
+    dc.commit(seq.id, "index")
+    dc.release(seq.id)
+
+
+def build(state: str, shm: str, n: int, tail: int, seed: int = 0) -> dict:
+    """Build a state dir: n blocks in the checkpoint, then ``tail`` records after it."""
+    disk = n + max(n // 20, 20_000)
+    sizes = (DEVICE_BLOCKS, HOST_BLOCKS, disk)
+    traffic = Traffic(seed, num_systems=max(8, n // 5000))
+    t0 = time.perf_counter()
+    dc = DurableCache(state, LAYOUT, sizes, shm_dir=shm, sync="none", checkpoint_records=1 << 60,
+                      spill_blocks=4096)
+    tree = dc.cache.tree
+    requests = 0
+    tiering = dc.cache.tiering
+    while tree.num_blocks_in[2] + sum(node.num_blocks for node in tiering.pending_disk) < n:
+        serve(dc, traffic.next_prompt(8, 150, p_new=0.5))
+        requests += 1
+        if len(tiering.pending_disk) >= 64:
+            dc.spill()
+    dc.spill()
+    build_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    ckpt_lsn = dc.checkpoint()
+    checkpoint_write_s = time.perf_counter() - t1
+    ckpt_blocks = list(tree.num_blocks_in)
+    ckpt_nodes = sum(1 for _ in tree.nodes())
+    # the tail: shorter new turns (a chat's next question), re-opens of cached prefixes
+    counts: dict[str, int] = {}
+    tail_requests = 0
+    while dc.wal.stats().next_lsn - 1 - ckpt_lsn < tail - 40:
+        serve(dc, traffic.next_prompt(1, 24, p_new=0.3))
+        tail_requests += 1
+        if tail_requests % 50 == 0:
+            dc.spill()
+    dc._log()
+    extra = tail - (dc.wal.stats().next_lsn - 1 - ckpt_lsn)
+    for _ in range(max(extra, 0)):  # top up to exactly ``tail`` with cheap lookups turned opens
+        seq = dc.open(traffic.systems[0][: 4 * BLOCK_SIZE * 2 + 4])
+        dc.release(seq.id)
+        if dc.wal.stats().next_lsn - 1 - ckpt_lsn >= tail:
+            break
+    dc._log()
+    tail_records = dc.wal.stats().next_lsn - 1 - ckpt_lsn
+    for rec in dc.wal.replay(ckpt_lsn):
+        counts[rec.kind.name] = counts.get(rec.kind.name, 0) + 1
+    final_blocks = list(tree.num_blocks_in)
+    dc.close()
+    return {"sizes": list(sizes), "build_s": round(build_s, 2), "build_requests": requests,
+            "checkpoint_write_s": round(checkpoint_write_s, 3),
+            "checkpoint_blocks_by_tier": ckpt_blocks, "checkpoint_nodes": ckpt_nodes,
+            "tail_records": tail_records, "tail_requests": tail_requests, "tail_kinds": counts,
+            "blocks_by_tier_at_close": final_blocks}
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def recover(state: str, shm: str, sizes: list[int], verify: str) -> dict:
+    """Open ``state`` in a fresh process; returns its timings."""
+    args = {"state": state, "shm": shm, "sizes": sizes, "verify": verify,
+            "layout": {"model_id": LAYOUT.model_id, "num_layers": LAYOUT.num_layers,
+                       "num_kv_heads": LAYOUT.num_kv_heads, "head_dim": LAYOUT.head_dim,
+                       "dtype": LAYOUT.dtype, "block_size": LAYOUT.block_size}}
+    dropped = drop_page_cache()
+    t_spawn = time.time()
+    out = subprocess.run([sys.executable, "-c", CHILD, ROOT, json.dumps(args)], check=True,
+                         capture_output=True, text=True).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    rec = got["recovery"]
+    result = {"ready_s": round(rec["ready_s"], 4)}
+    for k in ("open_s", "checkpoint_load_s", "replay_s", "reconcile_s"):
+        result[k] = round(rec[k], 4)
+    result["recover_record_s"] = round(rec["ready_s"] - sum(rec[k] for k in ("open_s", "checkpoint_load_s", "replay_s", "reconcile_s")), 4)
+    result["records_replayed"] = rec["records_replayed"]
+    if "verified_blocks" in rec:
+        result["verified_blocks"] = rec["verified_blocks"]
+    result["blocks_by_tier"] = rec["blocks"]
+    result["tree_blocks"] = rec["tree_blocks"]
+    result["tree_nodes"] = rec["tree_nodes"]
+    result["interpreter_start_s"] = round(got["t_first"] - t_spawn, 4)
+    result["import_s"] = round(got["t_imported"] - got["t_first"], 4)
+    result["process_to_ready_s"] = round(got["t_ready"] - t_spawn, 4)
+    result["page_cache_dropped"] = dropped
+    return result
+
+
+def wal_section(reps: int, records: int) -> dict:
+    """``bench/wal.py``'s floor and wal loops at 64 records per commit, alternating."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import wal as walbench
+
+    from prefixd.wal import encode
+
+    recs = walbench.make_records(records)
+    values = [encode(k, f, b) for k, f, b in recs]
+    root = tempfile.mkdtemp(prefix="prefixd-bench-recovery-wal-")
+    floors, wals = [], []
+    try:
+        for i in range(reps):
+            floors.append(walbench.floor_run(os.path.join(root, f"floor{i}"), values, 64))
+            wals.append(walbench.wal_run(os.path.join(root, f"wal{i}"), recs, 64, 2)[0])
+            shutil.rmtree(os.path.join(root, f"floor{i}"))
+            shutil.rmtree(os.path.join(root, f"wal{i}"))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    floor, wal = statistics.median(floors), statistics.median(wals)
+    return {"wal.records_per_s": round(wal), "wal.floor_records_per_s": round(floor),
+            "wal.ratio": round(wal / floor, 3), "wal.group_size": 64, "wal.reps": reps,
+            "wal.records_per_rep": records, "wal.window": 2,
+            "wal.all_floor": [round(x) for x in floors], "wal.all_wal": [round(x) for x in wals]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
+    ap.add_argument("--sizes", default="10000,100000,1000000")
+    ap.add_argument("--tail", type=int, default=100_000, help="log records after the checkpoint")
+    ap.add_argument("--wal-reps", type=int, default=7)
+    ap.add_argument("--wal-records", type=int, default=19_200)
+    ap.add_argument("--dir", default=None, help="where state directories are built (default: a temp dir)")
+    ap.add_argument("--keep", action="store_true", help="keep the state directories")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    root = tempfile.mkdtemp(prefix="prefixd-bench-recovery-", dir=args.dir)
+    shm = tempfile.mkdtemp(prefix="prefixd-bench-recovery-", dir="/dev/shm")
+    result: dict = {"bench": "recovery",
+                    "params": {"layout": "1 layer, 1 kv head, head_dim 2, float32, 16 tokens/block "
+                                         "(256 B/block): tiny on purpose, the bench is about the index",
+                               "device_blocks": DEVICE_BLOCKS, "host_blocks": HOST_BLOCKS,
+                               "tail_records": args.tail, "wal_sync": "commit (recovery opens)",
+                               "ready_s": "DurableCache() constructor: open -> ready (imports excluded; "
+                                          "see import_s and process_to_ready_s)",
+                               "page_cache": "dropped before each recovery when root",
+                               "host": f"{os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f} at start"}}
+    try:
+        for n in sizes:
+            state = os.path.join(root, f"state{n}")
+            shm_n = os.path.join(shm, str(n))
+            os.makedirs(shm_n)
+            built = build(state, shm_n, n, args.tail)
+            entry = {"build": built}
+            for verify in ("lazy", "eager"):
+                entry[verify] = recover(state, shm_n, built["sizes"], verify)
+            entry["ready_s"] = entry["lazy"]["ready_s"]
+            entry["eager_ready_s"] = entry["eager"]["ready_s"]
+            result[f"recovery.{n}"] = entry
+            if not args.keep:
+                shutil.rmtree(state, ignore_errors=True)
+                shutil.rmtree(shm_n, ignore_errors=True)
+        result["wal"] = wal_section(args.wal_reps, args.wal_records)
+        result["wal.records_per_s"] = result["wal"]["wal.records_per_s"]
+        result["wal.floor_records_per_s"] = result["wal"]["wal.floor_records_per_s"]
+        result["wal.ratio"] = result["wal"]["wal.ratio"]
+        result["host_load_at_end"] = round(os.getloadavg()[0], 2)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(shm, ignore_errors=True)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
