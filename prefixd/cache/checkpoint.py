@@ -96,9 +96,12 @@ def load(tree, index: dict[bytes, bytes], block_bytes: int) -> tuple[dict, list[
     has_sums = np.frombuffer(index[b"nodes.has_sums"], "u1").tolist()
     hb = index[b"blocks.hashes"]
     tb = index[b"blocks.tokens"]
-    cols = [np.frombuffer(index[k], "<i4").tolist() for k in (b"blocks.device", b"blocks.host", b"blocks.disk")]
-    sums = np.frombuffer(index[b"blocks.sums"], "<u8").tolist()
-    hashes = [hb[i:i + 16] for i in range(0, len(hb), 16)]
+    cols = [np.frombuffer(index[k], "<i4") for k in (b"blocks.device", b"blocks.host", b"blocks.disk")]
+    cols = [col.tolist() if (col >= 0).any() else None for col in cols]  # a tier resident nowhere: no list
+    sums = np.frombuffer(index[b"blocks.sums"], "<u8")
+    sums = sums.tolist() if any(has_sums) else None
+    # V16 (not S16: that would strip trailing zero bytes) turns into bytes objects in C
+    hashes = np.frombuffer(hb, "V16").tolist()
     nodes: list[Node] = []
     counts = tree.num_blocks_in
     enabled = gc.isenabled()
@@ -110,7 +113,7 @@ def load(tree, index: dict[bytes, bytes], block_bytes: int) -> tuple[dict, list[
             toks = tb[a * block_bytes:b * block_bytes]
             slots = []
             for t, col in enumerate(cols):
-                if col[a] < 0:
+                if col is None or col[a] < 0:
                     slots.append(None)
                 else:
                     slots.append(col[a:b])

@@ -228,16 +228,24 @@ class RadixTree:
                 if slots[tier] is not None and not kids[tier]:
                     self.queues[tier].add(node)
 
-    def rebuild_queues(self) -> None:
-        """Fresh eviction queues holding exactly the evictable nodes (after recovery)."""
+    def rebuild_queues(self, order=None) -> None:
+        """Fresh eviction queues holding exactly the evictable nodes (after recovery).
+
+        ``order``: every node of the tree, parents before children as ``nodes()`` yields them
+        (nodes no longer in the tree may be left in: they are resident nowhere), when the
+        caller already walked the tree; one pass resets the tags and fills the queues.
+        """
         policy = self.queues[0].policy
-        self.queues = [EvictionQueue(t, policy) for t in range(NUM_TIERS)]
-        for node in self.nodes():
+        self.queues = queues = [EvictionQueue(t, policy) for t in range(NUM_TIERS)]
+        tiers = [(t, queues[t].add) for t in self.tiers]
+        for node in self.nodes() if order is None else order:
             node.heap_tag = [0, 0, 0]
-        for node in self.nodes():
-            for tier in self.tiers:
-                if self._evictable(node, tier):
-                    self.queues[tier].add(node)
+            if node.lock_ref:
+                continue
+            slots, kids = node.slots, node.kids_in
+            for tier, add in tiers:
+                if slots[tier] is not None and not kids[tier]:
+                    add(node)
 
     def nodes(self):
         """Every non-root node, parents before children."""

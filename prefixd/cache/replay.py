@@ -83,6 +83,7 @@ class Replayer:
         self.seqs = seqs
         self.where: dict[bytes, Node] | None = None
         self.records = 0
+        self.max_seq_id = 0  # the highest sequence id an OPEN or FORK record named
 
     # -- the hash map ------------------------------------------------------------------------
 
@@ -181,6 +182,8 @@ class Replayer:
                 n.hit_count += 1
                 n = n.parent
             self.seqs[seq_id] = [session_id, node, extra]
+            if seq_id > self.max_seq_id:
+                self.max_seq_id = seq_id
         elif kind == _RELEASE:
             self.seqs.pop(f[0], None)
         elif kind == _COMMIT:
@@ -190,6 +193,7 @@ class Replayer:
                 seq[1] = self.ending_at(blob)
                 seq[1].last_access = tree.clock
         elif kind == _FORK:
+            self.max_seq_id = max(self.max_seq_id, f[1] + f[2] - 1)
             parent = self.seqs.get(f[0])
             if parent is not None:
                 for child in range(f[1], f[1] + f[2]):
