@@ -147,7 +147,7 @@ class DurableCache:
         self.cache = cache = PrefixCache(sizes, layout.block_size, root_hash=root, policy=policy,
                                          data=self.store, write_policy=write_policy)
         tree = cache.tree
-        ckpt_meta, _ = ckpt.load(tree, index, cache.block_bytes)
+        ckpt_meta, ckpt_nodes = ckpt.load(tree, index, cache.block_bytes)
         seqs: dict = {}
         if seq_values:
             import msgpack
@@ -158,6 +158,8 @@ class DurableCache:
         t2 = time.perf_counter()
         phases["checkpoint_load_s"] = t2 - t
         replayer = Replayer(tree, seqs, cache.block_bytes)
+        if ckpt_nodes:
+            replayer.use_checkpoint(ckpt_nodes, index[b"blocks.hashes"])
         for seq in seqs.values():  # checkpointed sequences name their node by hash
             if isinstance(seq[1], bytes):
                 seq[1] = replayer.ending_at(seq[1])

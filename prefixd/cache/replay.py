@@ -13,12 +13,16 @@ NOTE: replay runs once per record of a log tail (100k records name millions of b
 touches blocks only where a record brings new per-block data (BLOCK_PUT, BLOCK_MOVE): a run is
 found from its first and last hash, never by splitting the whole hash list; residency changes
 skip the eviction queues (``rebuild_queues`` replaces them after recovery); the hash map is
-built on first use from whole hash lists (C-level ``dict`` construction).
+built on first use. After a checkpoint it holds only the first and last hash of each
+checkpoint run (a 1M-block map cost a quarter of a second to build): a record naming a block
+inside such a run, which is rare (a match ending inside a run), finds it in the checkpoint's
+flat hash column instead.
 """
 
 from __future__ import annotations
 
 import struct
+from bisect import bisect_right
 from itertools import chain, repeat
 
 from prefixd.cache.hashing import namespace_hash
@@ -84,10 +88,31 @@ class Replayer:
         self.where: dict[bytes, Node] | None = None
         self.records = 0
         self.max_seq_id = 0  # the highest sequence id an OPEN or FORK record named
+        self._ckpt: tuple | None = None  # (nodes, flat hashes, first block of each node)
+
+    def use_checkpoint(self, nodes: list[Node], hashes: bytes) -> None:
+        """Index the checkpoint's runs by their first and last hash only; any other block of
+        theirs is found in ``hashes`` (the checkpoint's flat hash column) when a record names
+        it. Call before the first record."""
+        starts, total = [], 0
+        for node in nodes:
+            starts.append(total)
+            total += node.num_blocks
+        self._ckpt = (nodes, hashes, starts)
 
     # -- the hash map ------------------------------------------------------------------------
 
     def _build_map(self) -> dict[bytes, Node]:
+        if self._ckpt is not None:
+            where = {}
+            for node in self._ckpt[0]:
+                hashes = node.hashes
+                where[hashes[0]] = node
+                where[hashes[-1]] = node
+            for root in self.tree.roots.values():
+                where[root.hashes[-1]] = root
+            self.where = where
+            return where
         nodes = list(self.tree.nodes())
         where = dict(zip(chain.from_iterable([n.hashes for n in nodes]),
                          chain.from_iterable([repeat(n, n.num_blocks) for n in nodes])))
@@ -102,7 +127,30 @@ class Replayer:
             where = self._build_map()
         node = where.get(h)
         if node is None:
-            raise ReplayError(f"record names block {h.hex()} that is not in the index")
+            node = self._inside_checkpoint_run(h)
+            if node is None:
+                raise ReplayError(f"record names block {h.hex()} that is not in the index")
+        return node
+
+    def _inside_checkpoint_run(self, h: bytes) -> Node | None:
+        """The checkpoint run that still holds ``h`` inside it, if any.
+
+        Every block that left its checkpoint run did so by a split, whose head went into
+        ``where`` whole; so a block not in ``where`` is either still in its checkpoint run or
+        gone (its run forgotten, or the split head holding it forgotten).
+        """
+        if self._ckpt is None:
+            return None
+        nodes, flat, starts = self._ckpt
+        i = flat.find(h)
+        while i >= 0 and i % H:
+            i = flat.find(h, i + 1)
+        if i < 0:
+            return None
+        node = nodes[bisect_right(starts, i // H) - 1]
+        slots = node.slots
+        if (slots[0] is None and slots[1] is None and slots[2] is None) or h not in node.hashes:
+            return None
         return node
 
     def ending_at(self, h: bytes) -> Node:
