@@ -109,7 +109,7 @@ class GroupCommitter:
         self._durable_lsn = next_lsn - 1
         self._tail_future: Future | None = None  # latest taken group, until it is durable
         self._unsynced: list[Future] = []  # interval: committed groups awaiting the next fsync
-        self._jobs: list[tuple[Callable[[], object], Future]] = []
+        self._jobs: list[tuple[Callable[[], object], Future, int]] = []  # (job, future, after lsn)
         self._failure: WalFailedError | None = None
         self._closing = False
         self._idle = False
@@ -178,7 +178,7 @@ class GroupCommitter:
                 return _failed(self._failure)
             if self._closing:
                 raise WalClosedError(f"write-ahead log {self._wenv.state_dir} is closed")
-            self._jobs.append((job, fut))
+            self._jobs.append((job, fut, self._next_lsn - 1))
             self._cv.notify()
         return fut
 
@@ -244,9 +244,12 @@ class GroupCommitter:
                 fut = Future()
         if group:
             self._tail_future = fut
-        jobs: list = []
-        if not self._pending:  # a job runs only after every record appended before it
-            jobs, self._jobs = self._jobs, []
+        # A job runs once every record appended before it was submitted is in this group or an
+        # earlier one; records appended after it never hold it back (a busy appender would
+        # otherwise starve a checkpoint forever).
+        jobs = [(job, fut) for job, fut, after in self._jobs if after <= last]
+        if jobs:
+            self._jobs = [entry for entry in self._jobs if entry[2] > last]
         return _Taken(group, fut, last, jobs, self._closing and not self._pending)
 
     def _run(self) -> None:
@@ -352,7 +355,7 @@ class GroupCommitter:
         with self._cv:
             self._failure = failure
             futures = [f for f in (self._pending_future, self._tail_future) if f is not None]
-            futures += self._unsynced + [f for _, f in self._jobs] + [f for _, f in jobs]
+            futures += self._unsynced + [entry[1] for entry in self._jobs] + [f for _, f in jobs]
             self._pending, self._pending_future, self._tail_future = [], None, None
             self._unsynced, self._jobs = [], []
         for fut in futures:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -138,3 +139,28 @@ def test_corrupt_checkpoint_chunk_is_reported(state_dir, open_wal):
     with pytest.raises(WalCorruptError, match="checksum") as err:
         open_wal().load_checkpoint()
     assert err.value.lsn == 2
+
+
+def test_a_busy_appender_never_starves_a_checkpoint(open_wal):
+    """Regression: a job used to run only when nothing was pending after a group, so an
+    appender that kept more than one group's worth of records pending (a loaded daemon)
+    postponed a checkpoint forever; a CI run hung here for 10 minutes."""
+    wal = open_wal(max_delay_ms=1, max_group_records=8)
+    stop = threading.Event()
+
+    def appender():  # ~30 records/ms: more than a group of 8 per fsync can drain
+        while not stop.is_set():
+            for _ in range(16):
+                wal.append(Kind.DETACH, 1)
+            time.sleep(0.0005)
+
+    _fill(wal, 10)
+    thread = threading.Thread(target=appender)
+    thread.start()
+    try:
+        time.sleep(0.2)  # let a backlog build
+        done = wal.submit_checkpoint(10, {b"k": b"v"}, {}).result(timeout=10)
+    finally:
+        stop.set()
+        thread.join()
+    assert done == 10 and wal.load_checkpoint()[0] == 10
