@@ -96,6 +96,7 @@ class GroupCommitter:
         self._interval_s = interval_s
         self._max_delay_s = max_delay_s
         self._max_group = max_group_records
+        self._backlog = 16 * max_group_records  # appends wait beyond this many pending records
         self._pid = wenv.pid
         self._lock = threading.Lock()  # append takes the lock directly: its C __enter__ is cheaper
         self._cv = threading.Condition(self._lock)
@@ -132,6 +133,11 @@ class GroupCommitter:
             self._wenv.check_usable()  # raises ForkedEnvError
         value = encode(kind, fields, blob)
         with self._lock:
+            if len(self._pending) >= self._backlog and threading.current_thread() is not self._thread:
+                # Backpressure: a producer that outruns the disk waits for the committer
+                # instead of growing the backlog (and its memory) without bound.
+                self._cv.wait_for(lambda: len(self._pending) < self._backlog // 2
+                                  or self._failure is not None or self._closing)
             if self._failure is not None:
                 raise self._failure
             if self._closing:
@@ -143,9 +149,9 @@ class GroupCommitter:
             if len(pending) == 1:
                 self._first_append_t = time.monotonic()
                 if self._idle:
-                    self._cv.notify()
+                    self._cv.notify_all()
             elif len(pending) >= self._max_group:
-                self._cv.notify()
+                self._cv.notify_all()
         return lsn
 
     def flush(self) -> Future:
@@ -160,7 +166,7 @@ class GroupCommitter:
                     fut = self._pending_future = Future()
                 if not self._flush_wanted:
                     self._flush_wanted = True
-                    self._cv.notify()
+                    self._cv.notify_all()
                 return fut
             if self._tail_future is not None:
                 return self._tail_future
@@ -179,7 +185,7 @@ class GroupCommitter:
             if self._closing:
                 raise WalClosedError(f"write-ahead log {self._wenv.state_dir} is closed")
             self._jobs.append((job, fut, self._next_lsn - 1))
-            self._cv.notify()
+            self._cv.notify_all()
         return fut
 
     def _run_inline(self, job: Callable[[], object]) -> Future:
@@ -199,7 +205,7 @@ class GroupCommitter:
         """Commit what is pending, make it durable (all policies), stop the thread."""
         with self._cv:
             self._closing = True
-            self._cv.notify()
+            self._cv.notify_all()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
 
@@ -232,8 +238,9 @@ class GroupCommitter:
         pending = self._pending
         last = self._next_lsn - 1
         if len(pending) > self._max_group:
-            group, self._pending = pending[: self._max_group], pending[self._max_group :]
-            last -= len(self._pending)
+            group = pending[: self._max_group]
+            del pending[: self._max_group]  # a memmove: a backlog of millions stays cheap
+            last -= len(pending)
             fut: Future | None = Future()
             self._first_append_t = time.monotonic()
         else:
@@ -259,6 +266,8 @@ class GroupCommitter:
                     return
                 self._wait_for_work()
                 taken = self._take()
+                if len(self._pending) < self._backlog // 2:
+                    self._cv.notify_all()  # producers held back by the backlog limit
             try:
                 self._step(taken)
             except BaseException as exc:  # noqa: BLE001 - any failure poisons the log
@@ -358,6 +367,7 @@ class GroupCommitter:
             futures += self._unsynced + [entry[1] for entry in self._jobs] + [f for _, f in jobs]
             self._pending, self._pending_future, self._tail_future = [], None, None
             self._unsynced, self._jobs = [], []
+            self._cv.notify_all()  # producers waiting on the backlog limit see the failure
         for fut in futures:
             if not fut.done():
                 fut.set_exception(failure)

@@ -213,3 +213,29 @@ def test_group_cap_splits_a_large_pending_buffer(open_wal):
     stats = wal.stats()
     assert stats.records_committed == 40 and stats.groups_committed >= 3
     assert stats.last_group_size <= 16
+
+
+def test_a_producer_that_outruns_the_disk_is_held_back(open_wal):
+    """Regression: without backpressure a fast appender grew the pending backlog (and memory)
+    without bound; a test process reached 7 GiB. Appends now wait beyond 16 groups."""
+    wal = open_wal(max_group_records=8, max_delay_ms=1)
+    stop = threading.Event()
+    worst = []
+
+    def appender():
+        while not stop.is_set():
+            wal.append(Kind.DETACH, 1)
+
+    thread = threading.Thread(target=appender)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            st = wal.stats()
+            worst.append(st.next_lsn - 1 - st.committed_lsn)
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        thread.join()
+    assert max(worst) <= 16 * 8 + 2 * 8, f"backlog reached {max(worst)} records"
+    assert wal.stats().records_committed > 100
