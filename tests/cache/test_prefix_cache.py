@@ -8,7 +8,7 @@ from prefixd.cache import events as ev
 from prefixd.cache.hashing import chain_hashes, namespace_hash
 from prefixd.cache.invariants import block_ref_counts
 
-from tests.cache.helpers import BS, TokenPool, make_cache, run, toks
+from tests.cache.helpers import BS, TokenPool, make_cache, toks
 
 
 def test_open_on_an_empty_cache_allocates_fresh_blocks_in_order():

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from prefixd.cache import PrefixCache
-from prefixd.cache.node import DEVICE, DISK, HOST
+from prefixd.cache.node import DISK, HOST
 from prefixd.storage.tiers import Tier, TierStore
 from tests.cache.helpers import StoreTokens, tiny_layout, toks
 

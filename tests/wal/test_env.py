@@ -12,7 +12,6 @@ from prefixd.wal import (
     EnvAlreadyOpenError,
     ForkedEnvError,
     Kind,
-    StateLockedError,
     StateMismatchError,
     WalCorruptError,
 )

@@ -1,0 +1,155 @@
+"""Recovery: open a ``DurableCache`` on its state directory.
+
+Checkpoint load, log tail replay, reconciliation (``prefixd.cache.replay``), allocators and
+eviction queues rebuilt, recovered sequences held for reclaim, then a RECOVER record (or, on a
+first start, an empty checkpoint naming the pool files) before the cache is ready. Timings of
+each phase land in ``DurableCache.recovery``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from itertools import chain
+from typing import NamedTuple
+
+from prefixd.cache import checkpoint as ckpt
+from prefixd.cache.errors import CacheError
+from prefixd.cache.hashing import root_hash
+from prefixd.cache.node import DISK, HOST, path_to
+from prefixd.cache.prefix_cache import PrefixCache
+from prefixd.cache.replay import ZERO_HASH, Replayer, reconcile
+from prefixd.storage.tiers import Tier, TierStore
+from prefixd.wal import Kind
+
+log = logging.getLogger(__name__)
+
+
+class RecoveredSeq(NamedTuple):
+    """A sequence that was live before the restart, cut back to its surviving blocks."""
+
+    seq_id: int
+    session_id: int
+    node: object
+    extra: bytes
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens that survived (whole blocks on the path to ``node``)."""
+        return sum(len(n.tokens) for n in path_to(self.node)) // 4
+
+
+def recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify, shm_dir,
+            reclaim_grace_s, use_cuda, phases, t0) -> None:
+    """Open ``self`` (a ``DurableCache``) on its state directory: the recovery procedure."""
+    wal = self.wal
+    sizes = tuple(num_blocks)
+    t = time.perf_counter()
+    phases["open_s"] = t - t0
+    lsn, index, seq_values = wal.load_checkpoint()
+    first_start = not index
+    name = f"prefixd-{wal.root_seed[:6].hex()}-{layout.digest()[:6].hex()}"
+    meta = wal.meta
+    host_path = os.path.join(shm_dir, f"{name}.host.pool")
+    keep_host = (not first_start and meta.previous_boot_id == meta.boot_id
+                 and os.path.exists(host_path))
+    dev_path = os.path.join(shm_dir, f"{name}.device.pool")
+    for path, drop in ((dev_path, True), (host_path, not keep_host)):
+        if drop and os.path.exists(path):
+            os.unlink(path)
+    saved_ids = {}
+    if index:
+        import msgpack
+
+        saved = msgpack.unpackb(index[b"meta"]).get("file_ids", {})
+        saved_ids = {Tier(int(k)): bytes.fromhex(v) for k, v in saved.items()
+                     if int(k) == DISK or (int(k) == HOST and keep_host)}
+    self.store = TierStore(layout, {Tier.DEVICE: sizes[0], Tier.HOST: sizes[1], Tier.DISK: sizes[2]},
+                           state_dir=self.state_dir, shm_dir=shm_dir, name=name,
+                           fresh=first_start, file_ids=saved_ids, use_cuda=use_cuda)
+    root = root_hash(wal.root_seed, tenant_salt, layout.digest())
+    self.cache = cache = PrefixCache(sizes, layout.block_size, root_hash=root, policy=policy,
+                                     data=self.store, write_policy=write_policy)
+    tree = cache.tree
+    ckpt_meta, ckpt_nodes = ckpt.load(tree, index, cache.block_bytes)
+    seqs: dict = {}
+    if seq_values:
+        import msgpack
+
+        for seq_id, session_id, deepest, extra in msgpack.unpackb(seq_values[b"seqs"]):
+            root_node = tree.root(extra)
+            seqs[seq_id] = [session_id, root_node if deepest == ZERO_HASH else deepest, extra]
+    t2 = time.perf_counter()
+    phases["checkpoint_load_s"] = t2 - t
+    replayer = Replayer(tree, seqs, cache.block_bytes)
+    if ckpt_nodes:
+        replayer.use_checkpoint(ckpt_nodes, index[b"blocks.hashes"])
+    for seq in seqs.values():  # checkpointed sequences name their node by hash
+        if isinstance(seq[1], bytes):
+            seq[1] = replayer.ending_at(seq[1])
+    apply = replayer.apply
+    for rec in wal.replay(lsn):
+        apply(rec)
+    max_seq = max(max(seqs, default=0), replayer.max_seq_id)
+    t3 = time.perf_counter()
+    phases["replay_s"] = t3 - t2
+    phases["records_replayed"] = replayer.records
+    # one walk of the tree serves reconciliation, the allocators and the queues
+    order = list(tree.nodes())
+    reconcile(tree, keep_host=keep_host, seqs=seqs, order=order)
+    slot_lists = [n.slots for n in order]
+    for tier in (HOST, DISK):
+        used = list(chain.from_iterable([s[tier] for s in slot_lists if s[tier] is not None]))
+        if cache.allocators[tier] is not None:
+            cache.allocators[tier].take(used)
+        elif used:
+            raise CacheError(f"the saved index holds blocks in tier {tier}, which is now absent")
+    cache._next_id = max(max_seq, ckpt_meta.get("next_seq_id", 1) - 1) + 1
+    self.recovered: dict[int, RecoveredSeq] = {}
+    for seq_id, (session_id, node, extra) in seqs.items():
+        tree.lock(node)
+        self.recovered[seq_id] = RecoveredSeq(seq_id, session_id, node, extra)
+    tree.rebuild_queues(order)
+    tiering = cache.tiering
+    tiering.defer_frees = True
+    tiering.defer_disk = True
+    cache.on_deferred_shortage = self._force_reclaim
+    self._sessions: dict[int, int] = {}  # live seq id -> session id
+    cache.drain_events()
+    if verify == "eager":
+        phases["verified_blocks"] = verify_disk(self)
+    t4 = time.perf_counter()
+    phases["reconcile_s"] = t4 - t3
+    self._since_checkpoint = 0
+    if first_start:
+        self.checkpoint()
+    else:
+        wal.append(Kind.RECOVER, wal.open_epoch(), int(keep_host))
+        self._log()
+        wal.flush().result()
+        if not keep_host and Tier.HOST in self.store.file_ids:
+            # NOTE: the host pool was just created with a new file id, and file ids are
+            # persisted only by checkpoints: without one, the next restart on this boot
+            # would find this file, expect the old id and refuse to start.
+            self.checkpoint()
+    self._reclaim_deadline = time.monotonic() + reclaim_grace_s
+    phases["ready_s"] = time.perf_counter() - t0
+    phases["keep_host"] = keep_host
+    phases["epoch"] = wal.open_epoch()
+    phases["blocks"] = list(tree.num_blocks_in)
+    self.recovery = phases
+    log.info("prefixd cache ready state_dir=%s epoch=%d blocks=%s recovered_seqs=%d ready_s=%.3f",
+             self.state_dir, wal.open_epoch(), tree.num_blocks_in, len(self.recovered), phases["ready_s"])
+
+def verify_disk(self) -> int:
+    """Eager verification: every disk block against its checksum; bad ones cut."""
+    checked = 0
+    for node in [n for n in self.cache.tree.nodes() if n.slots[DISK] is not None]:
+        if node.slots[DISK] is None or node.checksums is None:
+            continue
+        ok = self.store.verify(Tier.DISK, node.slots[DISK], node.checksums)
+        checked += len(ok)
+        if not all(ok):
+            self.cache.tiering.cut_corrupt(node, ok.index(False))
+    return checked
