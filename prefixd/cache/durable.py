@@ -12,6 +12,7 @@ the WAL's committer thread is internal).
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -34,6 +35,21 @@ from prefixd.wal import Kind, Wal
 log = logging.getLogger(__name__)
 
 DURABILITY = ("index", "crash", "power")
+
+
+def _poison_on_storage_error(method):
+    """A storage error inside an operation leaves events that can never be logged (and bytes
+    the kernel may have dropped): poison the log so nothing more is acknowledged; a restart
+    recovers from what is durable."""
+
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except StorageError as exc:
+            raise self.wal.fail(exc) from exc
+
+    return guarded
 
 
 class DurabilityError(CacheError):
@@ -100,17 +116,20 @@ class DurableCache:
 
     # -- operations --------------------------------------------------------------------------
 
+    @_poison_on_storage_error
     def open(self, tokens, extra: bytes = b"", *, session_id: int = 0):
         seq = self.cache.open(tokens, extra)
         self._sessions[seq.id] = session_id
         self._log(session_id)
         return seq
 
+    @_poison_on_storage_error
     def extend(self, seq_id: int, tokens) -> list[int]:
         slots = self.cache.extend(seq_id, tokens)
         self._log()
         return slots
 
+    @_poison_on_storage_error
     def fork(self, seq_id: int, num_children: int):
         children = self.cache.fork(seq_id, num_children)
         session = self._sessions.get(seq_id, 0)
@@ -125,6 +144,7 @@ class DurableCache:
     def sequence(self, seq_id: int):
         return self.cache.sequence(seq_id)
 
+    @_poison_on_storage_error
     def commit(self, seq_id: int, durability: str = "crash") -> int:
         """Index the sequence's full blocks; return once they are as durable as asked.
 
@@ -140,6 +160,7 @@ class DurableCache:
         self._make_durable(seq, durability)
         return added
 
+    @_poison_on_storage_error
     def release(self, seq_id: int, *, commit: bool = False, durability: str = "crash") -> None:
         if commit:
             self.commit(seq_id, durability)
@@ -218,6 +239,7 @@ class DurableCache:
 
     # -- background work -------------------------------------------------------------------------
 
+    @_poison_on_storage_error
     def spill(self) -> int:
         """Write-through to disk for the runs waiting for it, one fdatasync for the batch."""
         done = self.cache.tiering.spill()
@@ -240,6 +262,7 @@ class DurableCache:
         self.recovered.clear()
         return n
 
+    @_poison_on_storage_error
     def reclaim(self, session_id: int) -> list[Reclaimed]:
         """Reopen the recovered sequences of ``session_id`` on their surviving blocks."""
         out = []
@@ -257,6 +280,7 @@ class DurableCache:
             out.append(Reclaimed(old_id, seq, seq.cached_tokens if seq else 0))
         return out
 
+    @_poison_on_storage_error
     def checkpoint(self) -> int:
         """Fold the log into a checkpoint of the current state; returns its lsn."""
         self._log()

@@ -217,3 +217,28 @@ def test_eviction_order_survives_a_restart(make):
         order.append(int.from_bytes(node.tokens[:4], "little") if node.parent.parent is None else None)
     firsts = [f for f in order if f is not None]
     assert firsts.index(20) < firsts.index(30) < firsts.index(10), firsts
+
+
+def test_a_failed_disk_write_poisons_the_log_and_a_restart_recovers(make, monkeypatch):
+    """Regression: a pwritev error during a spill left drained events unlogged and the log
+    open for later acknowledgements."""
+    import prefixd.storage.pools as pools
+    from prefixd.wal import WalFailedError
+
+    dc = make(spill_blocks=10**9)
+    _serve(dc, [1, 2, 3, 4, 5], durability="crash")
+    real = pools.os.pwritev
+
+    def broken(*args, **kwargs):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(pools.os, "pwritev", broken)
+    with pytest.raises(WalFailedError):
+        dc.spill()
+    monkeypatch.setattr(pools.os, "pwritev", real)
+    with pytest.raises(WalFailedError):
+        _serve(dc, [7, 7, 7, 7, 7], durability="crash")
+    dc.close()
+    dc = make()
+    _check_hit(dc, [1, 2, 3, 4, 5])
+    assert dc.lookup([7, 7, 7, 7, 7]).cached_tokens == 0
