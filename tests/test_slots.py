@@ -56,3 +56,11 @@ def test_check_invariants_catches_a_double_free():
     alloc.free(slots)
     with pytest.raises(AssertionError):
         alloc.check_invariants()
+
+
+def test_take_refuses_a_slot_given_twice():
+    """Recovery must not accept two runs claiming one slot."""
+    alloc = SlotAllocator(4)
+    with pytest.raises(ValueError, match="twice"):
+        alloc.take([2, 2])
+    assert alloc.num_free == 4

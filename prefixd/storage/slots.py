@@ -6,6 +6,8 @@ never touches bytes.
 
 from __future__ import annotations
 
+import numpy as np
+
 
 class SlotAllocator:
     """The free slots of one tier, as a stack.
@@ -82,17 +84,26 @@ class SlotAllocator:
     def take(self, slots) -> None:
         """Mark specific slots used (recovery rebuilds the free list from block tables).
 
+        Whole-array operations: recovery takes a million slots at once.
+
         Raises:
-            ValueError: if a slot is out of range or not free.
+            ValueError: if a slot is out of range, not free, or given twice.
         """
-        wanted = set(slots)
-        bad = [s for s in wanted if not 0 <= s < self.num_slots]
-        if bad:
-            raise ValueError(f"slots out of range [0, {self.num_slots}): {sorted(bad)[:8]}")
-        before = len(self._free)
-        self._free = [s for s in self._free if s not in wanted]
-        if before - len(self._free) != len(wanted):
+        wanted = np.asarray(slots, dtype=np.int64)
+        if not wanted.size:
+            return
+        if wanted.min() < 0 or wanted.max() >= self.num_slots:
+            bad = wanted[(wanted < 0) | (wanted >= self.num_slots)]
+            raise ValueError(f"slots out of range [0, {self.num_slots}): {sorted(bad.tolist())[:8]}")
+        free = np.asarray(self._free, dtype=np.int64)
+        if np.bincount(wanted, minlength=self.num_slots).max() > 1:
+            raise ValueError("a slot to take is given twice")
+        is_free = np.zeros(self.num_slots, dtype=bool)
+        is_free[free] = True
+        if not is_free[wanted].all():
             raise ValueError("some slots to take are not free")
+        is_free[wanted] = False
+        self._free = free[is_free[free]].tolist()
 
     def used_slots(self) -> set[int]:
         return set(range(self.num_slots)) - set(self._free) - set(self._deferred)
