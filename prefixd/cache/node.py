@@ -104,6 +104,15 @@ def split(node: Node, k: int, block_bytes: int) -> Node:
     return head
 
 
+def attached(node: Node) -> bool:
+    """Whether ``node`` is still in its tree (a forgotten run keeps its parent link)."""
+    while node.parent is not None:
+        if node.parent.children.get(node.key) is not node:
+            return False
+        node = node.parent
+    return True
+
+
 def path_to(node: Node) -> list[Node]:
     """Nodes from just below the root down to ``node`` (inclusive)."""
     path = []

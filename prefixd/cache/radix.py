@@ -247,6 +247,12 @@ class RadixTree:
                 if slots[tier] is not None and not kids[tier]:
                     add(node)
 
+    def check_invariants(self) -> None:
+        """Links, keys, chained hashes, residency counts and queue membership (tests only)."""
+        from prefixd.cache.invariants import check_tree
+
+        check_tree(self)
+
     def nodes(self):
         """Every non-root node, parents before children."""
         stack = list(self.roots.values())

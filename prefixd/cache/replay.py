@@ -284,14 +284,6 @@ def reconcile(tree, *, keep_host: bool, seqs: dict, replayer: Replayer | None = 
     return forgotten
 
 
-def attached(node: Node) -> bool:
-    while node.parent is not None:
-        if node.parent.children.get(node.key) is not node:
-            return False
-        node = node.parent
-    return True
-
-
 def surviving(node: Node) -> Node:
     """The deepest node on ``node``'s path to the root that is still in the tree."""
     path = []
@@ -311,4 +303,4 @@ def root_for(tree, extra: bytes):
     return tree.roots.get(extra) or tree.root(extra)
 
 
-__all__ = ["Replayer", "ReplayError", "reconcile", "surviving", "attached", "namespace_hash"]
+__all__ = ["Replayer", "ReplayError", "reconcile", "surviving", "namespace_hash"]

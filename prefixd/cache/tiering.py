@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 
 from prefixd.cache.events import BlocksDropped, BlocksMoved, new_event
-from prefixd.cache.node import DEVICE, DISK, HOST, TIER_NAMES, Node, split
+from prefixd.cache.node import DEVICE, DISK, HOST, TIER_NAMES, Node, attached, split
 from prefixd.faults import crash_point
 
 log = logging.getLogger(__name__)
@@ -36,12 +36,7 @@ log = logging.getLogger(__name__)
 WRITE_POLICIES = ("write_through", "write_back", "selective")
 
 
-def _attached(node: Node) -> bool:
-    while node.parent is not None:
-        if node.parent.children.get(node.key) is not node:
-            return False
-        node = node.parent
-    return True
+
 
 
 class Tiering:
@@ -225,7 +220,7 @@ class Tiering:
         self.pending_disk_blocks = 0
         done = 0
         for node in pending:
-            if node.slots[DISK] is None and _attached(node) and self.write_down(node, DISK):
+            if node.slots[DISK] is None and attached(node) and self.write_down(node, DISK):
                 done += 1
         return done
 
