@@ -90,6 +90,12 @@ class DurableCache:
                  use_cuda: bool | None = False) -> None:
         if verify not in ("lazy", "eager"):
             raise ValueError(f"verify must be 'lazy' or 'eager', got {verify!r}")
+        sizes = tuple(num_blocks)
+        if len(sizes) != 3 or not all(isinstance(n, int) and n >= 0 for n in sizes) or sizes[0] < 1:
+            raise ValueError(f"num_blocks must be (device, host, disk) block counts, device >= 1; got {num_blocks!r}")
+        if not sizes[1] and not sizes[2]:
+            raise ValueError("a durable cache needs a host or a disk tier: device blocks do not "
+                             "survive a restart; give num_blocks a host or disk size")
         t0 = time.perf_counter()
         self.layout = layout
         self.state_dir = state_dir
@@ -186,10 +192,14 @@ class DurableCache:
             return
         tiering = self.cache.tiering
         want = DISK if durability == "power" else HOST
+        if self.cache.allocators[want] is None:
+            if want == DISK:
+                raise DurabilityError("power durability needs a disk tier; this cache has none")
+            want = DISK  # crash durability without a host tier: the disk serves
         for node in path_to(seq.node):
             if node.slots[DISK] is not None or (want == HOST and node.slots[HOST] is not None):
                 continue
-            if not tiering.write_down(node, want if self.cache.allocators[want] else DISK):
+            if not tiering.write_down(node, want):
                 raise DurabilityError(f"cannot make sequence {seq.id} {durability}-durable: "
                                       f"no room in the {'disk' if want == DISK else 'host'} tier")
         crash_point("data_written")

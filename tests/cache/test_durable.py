@@ -242,3 +242,20 @@ def test_a_failed_disk_write_poisons_the_log_and_a_restart_recovers(make, monkey
     dc = make()
     _check_hit(dc, [1, 2, 3, 4, 5])
     assert dc.lookup([7, 7, 7, 7, 7]).cached_tokens == 0
+
+
+def test_a_durable_cache_without_a_lower_tier_is_refused_clearly(make):
+    with pytest.raises(ValueError, match="needs a host or a disk tier"):
+        make(sizes=(8, 0, 0))
+    with pytest.raises(ValueError, match="device >= 1"):
+        make(sizes=(0, 8, 8))
+
+
+def test_power_durability_without_a_disk_tier_says_so(make):
+    dc = make(sizes=(8, 8, 0))
+    seq = dc.open([1, 2, 3, 4, 5])
+    with pytest.raises(DurabilityError, match="needs a disk tier"):
+        dc.commit(seq.id, "power")
+    dc.commit(seq.id, "crash")  # the host tier serves crash durability
+    dc.release(seq.id)
+    dc.check_invariants()
