@@ -155,7 +155,9 @@ class DurableCache:
         """Index the sequence's full blocks; return once they are as durable as asked.
 
         Raises:
-            UnknownSequence, ValueError (bad durability), DurabilityError,
+            UnknownSequence, ValueError (bad durability),
+            DurabilityError: the blocks are indexed (as at ``index``) but not as durable as
+                asked; nothing was acknowledged.
             prefixd.wal.WalFailedError (the log can no longer make anything durable; also when
             the disk pool's fdatasync failed, which poisons the log).
         """
