@@ -65,6 +65,7 @@ def test_kill_9_under_load_loses_nothing_acknowledged(tmp_path, capsys):
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(3600)
 def test_kill_9_under_load_loses_nothing_acknowledged_soak(tmp_path, capsys):
     totals = _kill_cycles(tmp_path, kills=200, seed=2)
     with capsys.disabled():
@@ -112,6 +113,7 @@ def test_a_crash_at_a_named_point_loses_nothing_acknowledged(tmp_path, point, n)
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(3600)
 @pytest.mark.parametrize("point", CRASH_POINTS)
 @pytest.mark.parametrize("n", [2, 5, 17, 40, 90])
 def test_a_crash_at_a_named_point_loses_nothing_acknowledged_soak(tmp_path, point, n):

@@ -248,6 +248,7 @@ def test_control_sync_none_is_caught_losing_data(powerfs, tmp_path, capsys):
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(3600)
 @pytest.mark.parametrize("mode", ["lose", "torn"])
 def test_power_commits_survive_power_loss_soak(powerfs, tmp_path, capsys, mode):
     """Proves the same as `test_power_commits_survive_power_loss` over 100 more seeds per mode,
