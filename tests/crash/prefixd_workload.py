@@ -36,11 +36,11 @@ LAYOUT = KVLayout("crash-test", num_layers=1, num_kv_heads=1, head_dim=2, dtype=
 SIZES = (24, 24, 65536)  # disk: room for every commit of a 200-kill soak (~8k blocks)
 
 
-def open_cache(state_dir: str, shm_dir: str, **kw) -> DurableCache:
+def open_cache(state_dir: str, shm_dir: str, sizes=SIZES, **kw) -> DurableCache:
     kw.setdefault("checkpoint_records", 300)
     kw.setdefault("spill_blocks", 8)
     kw.setdefault("reclaim_grace_s", 0.0)
-    return DurableCache(state_dir, LAYOUT, SIZES, shm_dir=shm_dir, **kw)
+    return DurableCache(state_dir, LAYOUT, sizes, shm_dir=shm_dir, **kw)
 
 
 def run(args) -> None:
@@ -83,9 +83,10 @@ def run(args) -> None:
     dc.close()
 
 
-def check(state_dir: str, shm_dir: str, acks: list[str], *, sync: str = "commit") -> dict:
+def check(state_dir: str, shm_dir: str, acks: list[str], *, sync: str = "commit",
+          sizes=SIZES) -> dict:
     """Recover and check; returns counts (acks checked, blocks verified)."""
-    dc = open_cache(state_dir, shm_dir, sync=sync)
+    dc = open_cache(state_dir, shm_dir, sizes, sync=sync)
     try:
         disk = dc.cache.allocators[DISK]
         assert disk.num_free > disk.num_slots // 10, (

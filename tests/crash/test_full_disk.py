@@ -29,7 +29,9 @@ from prefixd.storage.poolfile import DATA_OFFSET, free_bytes
 from prefixd.storage.tiers import Tier
 from prefixd.wal import WalFailedError
 from tests.cache.helpers import StoreTokens
-from tests.crash.prefixd_workload import BS, LAYOUT, SIZES, check, open_cache
+from tests.crash.prefixd_workload import BS, LAYOUT, check, open_cache
+
+SIZES = (24, 24, 4096)  # small enough for the 1-2 MiB tmpfs these tests mount
 
 
 @pytest.fixture
@@ -104,12 +106,12 @@ def test_a_disk_pool_that_does_not_fit_is_refused_at_start_with_asked_and_free_b
     assert f"asked for {exc.needed_bytes} bytes" in msg and f"free on its filesystem: {exc.free_bytes} bytes" in msg
     assert exc.path.startswith(state) and exc.path in msg
     assert not [n for n in os.listdir(state) if n.endswith(".tmp")], "a half-made pool file was left"
-    dc = open_cache(state, shm_dir)  # the state directory is still usable with pools that fit
+    dc = open_cache(state, shm_dir, SIZES)  # the state directory is still usable with pools that fit
     try:
         _serve(dc, _prompt(0))
     finally:
         dc.close()
-    check(state, shm_dir, [_ack(_prompt(0))])
+    check(state, shm_dir, [_ack(_prompt(0))], sizes=SIZES)
 
 
 def test_lmdb_out_of_space_fails_the_commit_and_keeps_every_acknowledged_one(tmpfs, shm_dir):
@@ -117,7 +119,7 @@ def test_lmdb_out_of_space_fails_the_commit_and_keeps_every_acknowledged_one(tmp
     from LMDB), against a SIGBUS or a dead process when LMDB cannot grow, and against losing
     earlier acknowledged commits once space is back."""
     state = tmpfs(2 << 20)
-    dc = open_cache(state, shm_dir)
+    dc = open_cache(state, shm_dir, SIZES)
     filler = os.path.join(state, "filler")
     fd = os.open(filler, os.O_CREAT | os.O_WRONLY, 0o600)
     try:
@@ -144,7 +146,7 @@ def test_lmdb_out_of_space_fails_the_commit_and_keeps_every_acknowledged_one(tmp
     with pytest.raises(WalFailedError):
         _serve(dc, _prompt(10_001, num_blocks=1))  # not even once space is back
     _close_poisoned(dc)
-    result = check(state, shm_dir, acks)
+    result = check(state, shm_dir, acks, sizes=SIZES)
     assert result["acks"] == len(acks)
 
 
@@ -153,7 +155,7 @@ def test_a_failed_wal_fsync_poisons_the_log_and_is_never_retried(tmp_path, shm_d
     committer retrying the failed group (a later fsync "succeeding" over pages the kernel
     dropped): the failure must poison the log for good, and a restart recovers the rest."""
     state = str(tmp_path / "state")
-    dc = open_cache(state, shm_dir)
+    dc = open_cache(state, shm_dir, SIZES)
     acks = []
     for i in range(3):
         _serve(dc, _prompt(i))
@@ -181,7 +183,7 @@ def test_a_failed_wal_fsync_poisons_the_log_and_is_never_retried(tmp_path, shm_d
     assert calls["after"] == 0, "the log wrote again after a failed fsync"
     _close_poisoned(dc)
     assert calls["after"] == 0, "close retried the failed group"
-    assert check(state, shm_dir, acks)["acks"] == 3
+    assert check(state, shm_dir, acks, sizes=SIZES)["acks"] == 3
 
 
 def test_a_failed_disk_pool_fdatasync_fails_the_commit_and_is_never_retried(tmp_path, shm_dir, monkeypatch):
@@ -189,7 +191,7 @@ def test_a_failed_disk_pool_fdatasync_fails_the_commit_and_is_never_retried(tmp_
     after a retried fdatasync "succeeded" over pages the kernel dropped (fsyncgate): no later
     power commit may be acknowledged by that process, and a restart recovers every earlier one."""
     state = str(tmp_path / "state")
-    dc = open_cache(state, shm_dir)
+    dc = open_cache(state, shm_dir, SIZES)
     acks = []
     for i in range(3):
         _serve(dc, _prompt(i))
@@ -216,4 +218,4 @@ def test_a_failed_disk_pool_fdatasync_fails_the_commit_and_is_never_retried(tmp_
             _serve(dc, _prompt(i, num_blocks=1))
     assert calls["after"] == 0, "the disk pool's fdatasync was retried after it failed"
     _close_poisoned(dc)
-    assert check(state, shm_dir, acks)["acks"] == 3
+    assert check(state, shm_dir, acks, sizes=SIZES)["acks"] == 3
