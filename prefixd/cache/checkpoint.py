@@ -25,7 +25,9 @@ import gc
 import msgpack
 import numpy as np
 
+from prefixd.cache.errors import StateFormatError
 from prefixd.cache.node import Node, new_root
+from prefixd.cache.records import RECORDS_VERSION
 
 
 def dump(cache, extra_meta: dict, seqs: list) -> tuple[dict[bytes, bytes], dict[bytes, bytes]]:
@@ -68,9 +70,23 @@ def dump(cache, extra_meta: dict, seqs: list) -> tuple[dict[bytes, bytes], dict[
         b"blocks.disk": np.asarray(disk, "<i4").tobytes(),
         b"blocks.sums": np.asarray(sums, "<u8").tobytes(),
         b"roots": msgpack.packb([[extra, root.hashes[-1]] for extra, root in roots]),
-        b"meta": msgpack.packb({"block_size": cache.block_size, "clock": tree.clock, **extra_meta}),
+        b"meta": msgpack.packb({"block_size": cache.block_size, "clock": tree.clock,
+                                "records_version": RECORDS_VERSION, **extra_meta}),
     }
     return index, {b"seqs": msgpack.packb(seqs)}
+
+
+def check_format(index: dict[bytes, bytes], state_dir: str) -> None:
+    """Refuse a checkpoint (and so the log after it) written with other record layouts.
+
+    Raises:
+        StateFormatError: the saved ``records_version`` is missing (format 1) or differs.
+    """
+    if not index:
+        return
+    saved = msgpack.unpackb(index[b"meta"]).get("records_version", 1)
+    if saved != RECORDS_VERSION:
+        raise StateFormatError(state_dir, saved, RECORDS_VERSION)
 
 
 def load(tree, index: dict[bytes, bytes], block_bytes: int) -> tuple[dict, list[Node]]:

@@ -33,3 +33,18 @@ class UnknownSequence(CacheError):
 
 class InvalidTokens(CacheError, ValueError):
     """Token ids that cannot be cached (empty, wrong type, out of range)."""
+
+
+class StateFormatError(CacheError):
+    """The state directory was written with record or checkpoint layouts this build does not
+    read. Nothing was changed; run the prefixd that wrote it, or move the directory aside."""
+
+    def __init__(self, state_dir: str, saved: object, expected: int) -> None:
+        self.state_dir = state_dir
+        self.saved = saved
+        self.expected = expected
+        super().__init__(
+            f"state directory {state_dir} holds cache records of format {saved}, this build "
+            f"reads format {expected}: start the prefixd version that wrote it, or move the "
+            f"directory aside to start a new cache"
+        )

@@ -7,10 +7,10 @@ from typing import NamedTuple
 
 from prefixd.api.layout import as_token_bytes
 from prefixd.cache import events as ev
-from prefixd.cache.events import (BlocksDropped, BlocksStored, SeqCommitted, SeqExtended,
+from prefixd.cache.events import (BlocksDropped, BlocksMoved, BlocksStored, SeqCommitted, SeqExtended,
                                   SeqOpened, SeqReleased, new_event)
 from prefixd.cache.errors import InvalidTokens, OutOfBlocks, UnknownSequence
-from prefixd.cache.node import DEVICE
+from prefixd.cache.node import DEVICE, Node
 from prefixd.cache.policy import make_policy
 from prefixd.cache.radix import RadixTree
 from prefixd.cache.sequence import Sequence
@@ -336,7 +336,8 @@ class PrefixCache:
         ours = table[first:num_full]
         node = seq.node
         new_tokens = bytes(memoryview(seq.tokens)[first * bb:num_full * bb])
-        deepest, tree_slots, new = self.tree.insert(node, new_tokens, ours)
+        adopted: list[Node] = []
+        deepest, tree_slots, new = self.tree.insert(node, new_tokens, ours, adopted)
         if tree_slots is not ours:
             for i, (mine, theirs) in enumerate(zip(ours, tree_slots)):
                 if mine != theirs:
@@ -349,6 +350,8 @@ class PrefixCache:
         seq.node = deepest
         seq.num_indexed = num_full
         events = self.events
+        for run in adopted:  # runs only in lower tiers took our device copies of their blocks
+            events.append(new_event(BlocksMoved, (DEVICE, run.hashes, run.slots[DEVICE], run.checksums or [])))
         added = 0
         if new is not None:
             events.append(new_event(BlocksStored, (new.parent.hashes[-1], new.hashes, new.tokens, new.slots[DEVICE])))

@@ -105,13 +105,15 @@ class RadixTree:
 
     # -- insertion -----------------------------------------------------------------------
 
-    def insert(self, node: Node, tokens: bytes, slots: list[int]) -> tuple[Node, list[int], Node | None]:
+    def insert(self, node: Node, tokens: bytes, slots: list[int],
+               adopted: list[Node] | None = None) -> tuple[Node, list[int], Node | None]:
         """Index full blocks ``tokens`` (device-resident at ``slots``) below ``node``.
 
         Blocks already in the tree are not stored twice: where the tree has them on device the
         caller must switch to the tree's slots; where it has them only in lower tiers, the
-        caller's device slots become their device copy. The deepest node comes back locked
-        once for the caller (who moves its lock there from ``node``).
+        caller's device slots become their device copy, and the run is appended to
+        ``adopted`` (its residency changed: the caller logs it). The deepest node comes back
+        locked once for the caller (who moves its lock there from ``node``).
 
         Returns:
             ``(deepest, tree_slots, new)``: the node holding the last block, the device slot of
@@ -133,6 +135,8 @@ class RadixTree:
             first = pos // bb
             if child.slots[DEVICE] is None:
                 self.set_residency(child, DEVICE, slots[first:first + k])
+                if adopted is not None:
+                    adopted.append(child)
             if tree_slots is None:
                 tree_slots = slots[:first]
             tree_slots += child.slots[DEVICE]

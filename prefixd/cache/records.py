@@ -9,9 +9,17 @@ kind           blob
 OPEN           deepest shared block hash (16 bytes, or empty) || extra
 COMMIT         hash of the sequence's last indexed block (16 bytes)
 BLOCK_PUT      parent hash (16) || hashes (16 n) || tokens (n block_bytes) || device slots (4 n)
-BLOCK_MOVE     hashes (16 n) || slots (4 n) || checksums (8 n, or empty)
-BLOCK_DROP     hashes (16 n)
+BLOCK_MOVE     first hash (16) || last hash (16) || slots (4 n) || checksums (8 n, or empty)
+BLOCK_DROP     first hash (16) || last hash (16)
 =============  ================================================================
+
+A run is named by its first and last hash and its length (the ``num_blocks`` field): hashes
+chain on the parent, so the last one names the whole path and the first one where the run
+starts. Moves and drops are most of a log (every eviction writes one or two), and naming
+every block of their run made them 3-20x larger than they are now, for nothing replay used.
+
+``RECORDS_VERSION`` numbers these layouts; the checkpoint saves it and a state directory
+written with another one is refused (``prefixd.cache.errors.StateFormatError``).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from prefixd.cache import events as ev
 from prefixd.wal.records import Kind
 
 H = 16
+RECORDS_VERSION = 2  # 1: moves and drops named every block of their run
 
 
 def _u32(values) -> bytes:
@@ -60,9 +69,11 @@ def event_records(event, session_id: int = 0) -> tuple:
     if t is ev.BlocksMoved:
         n = len(event.hashes)
         sums = _u64(event.checksums) if event.checksums else b""
-        return Kind.BLOCK_MOVE, (event.tier, n), b"".join(event.hashes) + _u32(event.slots) + sums
+        hashes = event.hashes
+        return Kind.BLOCK_MOVE, (event.tier, n), hashes[0] + hashes[-1] + _u32(event.slots) + sums
     if t is ev.BlocksDropped:
-        return Kind.BLOCK_DROP, (event.tier, len(event.hashes)), b"".join(event.hashes)
+        hashes = event.hashes
+        return Kind.BLOCK_DROP, (event.tier, len(hashes)), hashes[0] + hashes[-1]
     raise TypeError(f"no record for event {event!r}")
 
 
@@ -77,10 +88,9 @@ def decode_put(blob: bytes, n: int, block_bytes: int):
 
 
 def decode_move(blob: bytes, n: int):
-    """``(hashes, slots, checksums or None)`` of a BLOCK_MOVE blob."""
-    hashes = split_hashes(blob, n)
-    slots = np.frombuffer(blob, dtype="<u4", count=n, offset=n * H).tolist()
+    """``(first hash, last hash, slots, checksums or None)`` of a BLOCK_MOVE blob."""
+    slots = np.frombuffer(blob, dtype="<u4", count=n, offset=2 * H).tolist()
     sums = None
-    if len(blob) > n * (H + 4):
-        sums = np.frombuffer(blob, dtype="<u8", count=n, offset=n * (H + 4)).tolist()
-    return hashes, slots, sums
+    if len(blob) > 2 * H + 4 * n:
+        sums = np.frombuffer(blob, dtype="<u8", count=n, offset=2 * H + 4 * n).tolist()
+    return blob[:H], blob[H:2 * H], slots, sums

@@ -14,6 +14,8 @@ import time
 from itertools import chain
 from typing import NamedTuple
 
+import numpy as np
+
 from prefixd.cache import checkpoint as ckpt
 from prefixd.cache.errors import CacheError
 from prefixd.cache.hashing import root_hash
@@ -48,6 +50,7 @@ def recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify,
     t = time.perf_counter()
     phases["open_s"] = t - t0
     lsn, index, seq_values = wal.load_checkpoint()
+    ckpt.check_format(index, self.state_dir)  # before anything in the directory is touched
     first_start = not index
     name = f"prefixd-{wal.root_seed[:6].hex()}-{layout.digest()[:6].hex()}"
     meta = wal.meta
@@ -88,9 +91,7 @@ def recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify,
     for seq in seqs.values():  # checkpointed sequences name their node by hash
         if isinstance(seq[1], bytes):
             seq[1] = replayer.ending_at(seq[1])
-    apply = replayer.apply
-    for rec in wal.replay(lsn):
-        apply(rec)
+    replayer.apply_batches(wal.replay_batches(lsn))
     max_seq = max(max(seqs, default=0), replayer.max_seq_id)
     t3 = time.perf_counter()
     phases["replay_s"] = t3 - t2
@@ -100,10 +101,11 @@ def recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify,
     reconcile(tree, keep_host=keep_host, seqs=seqs, order=order)
     slot_lists = [n.slots for n in order]
     for tier in (HOST, DISK):
-        used = list(chain.from_iterable([s[tier] for s in slot_lists if s[tier] is not None]))
+        used = np.fromiter(chain.from_iterable([s[tier] for s in slot_lists if s[tier] is not None]),
+                           dtype=np.int64)
         if cache.allocators[tier] is not None:
             cache.allocators[tier].take(used)
-        elif used:
+        elif used.size:
             raise CacheError(f"the saved index holds blocks in tier {tier}, which is now absent")
     cache._next_id = max(max_seq, ckpt_meta.get("next_seq_id", 1) - 1) + 1
     self.recovered: dict[int, RecoveredSeq] = {}

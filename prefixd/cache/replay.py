@@ -11,7 +11,7 @@ forgotten. Eviction queues and allocators are rebuilt by the caller afterwards.
 
 NOTE: replay runs once per record of a log tail (100k records name millions of blocks), so it
 touches blocks only where a record brings new per-block data (BLOCK_PUT, BLOCK_MOVE): a run is
-found from its first and last hash, never by splitting the whole hash list; residency changes
+found from its first and last hash (all a move or drop record names); residency changes
 skip the eviction queues (``rebuild_queues`` replaces them after recovery); the hash map is
 built on first use. After a checkpoint it holds only the first and last hash of each
 checkpoint run (a 1M-block map cost a quarter of a second to build): a record naming a block
@@ -27,7 +27,8 @@ from itertools import chain, repeat
 
 from prefixd.cache.hashing import namespace_hash
 from prefixd.cache.node import DEVICE, HOST, Node, split
-from prefixd.wal.records import Kind
+from prefixd.wal.codec import CRC_SIZE, encode
+from prefixd.wal.records import CODECS, Kind
 
 ZERO_HASH = b"\x00" * 16
 H = 16
@@ -35,6 +36,18 @@ H = 16
 _PUT, _MOVE, _DROP = int(Kind.BLOCK_PUT), int(Kind.BLOCK_MOVE), int(Kind.BLOCK_DROP)
 _OPEN, _COMMIT, _FORK = int(Kind.OPEN), int(Kind.COMMIT), int(Kind.FORK)
 _RELEASE, _RECOVER = int(Kind.RELEASE), int(Kind.RECOVER)
+
+# Offsets into a raw record value (``prefixd.wal.codec``): kind u8, fixed fields, blob, crc32c.
+_CRC = CRC_SIZE
+_B = CODECS[_PUT].fixed_size  # blob of BLOCK_PUT / MOVE / DROP (after kind, tier u8, num_blocks u32)
+assert CODECS[_MOVE].fixed_size == CODECS[_DROP].fixed_size == _B == 6
+_OPEN_B = CODECS[_OPEN].fixed_size
+_COMMIT_B = CODECS[_COMMIT].fixed_size
+_U32 = struct.Struct("<I").unpack_from
+_U64 = struct.Struct("<Q").unpack_from
+_OPEN_IDS = struct.Struct("<QQ").unpack_from
+_FORK_FIELDS = struct.Struct("<QQI").unpack_from
+assert CODECS[_RECOVER].struct.format == "<BIB"  # host_kept is byte 5
 
 _structs: dict[tuple[str, int], struct.Struct] = {}
 
@@ -160,95 +173,140 @@ class Replayer:
         if hashes[-1] == h or node.parent is None:
             return node
         head = split(node, hashes.index(h) + 1, self.block_bytes)
-        self.where.update(dict.fromkeys(head.hashes, head))
+        where = self.where
+        where.update(dict.fromkeys(head.hashes, head))
+        where[node.hashes[0]] = node  # the tail's new first block: records name runs by it
         return head
 
-    def run(self, first: bytes, last: bytes) -> Node:
-        """The node holding exactly the run ``first .. last`` (cut at both ends as needed)."""
+    def run(self, first: bytes, last: bytes, n: int, lsn: int = 0) -> Node:
+        """The node holding exactly the ``n`` blocks ``first .. last`` (cut at both ends as needed)."""
         node = self._node_of(first)
         if node.hashes[0] != first:
             head = split(node, node.hashes.index(first), self.block_bytes)
             self.where.update(dict.fromkeys(head.hashes, head))
+            self.where[first] = node
         node = self.ending_at(last)
-        if node.hashes[0] != first:
-            raise ReplayError(f"run {first.hex()}.. spans more than one node")
+        if node.hashes[0] != first or node.num_blocks != n:
+            raise ReplayError(f"lsn {lsn}: run {first.hex()}..{last.hex()} of {n} blocks is not one run of the index")
         return node
 
     # -- records -----------------------------------------------------------------------------
 
     def apply(self, rec) -> None:
-        """Apply one ``prefixd.wal.Record``.
+        """Apply one ``prefixd.wal.Record``; see ``apply_batches``."""
+        self.apply_batches([(rec.lsn, [encode(rec.kind, rec.fields, rec.blob)])])
+
+    def apply_batches(self, batches) -> None:
+        """Apply verified raw record values, ``(lsn of the first, [value, ...])`` per batch as
+        ``Wal.replay_batches`` yields them.
+
+        NOTE: this loop runs once per record of the log tail (a 100k-record tail is most of a
+        recovery), so moves and drops, most of any log, are decoded and applied inline
+        straight from the value: the run is looked up by its last hash and is usually exactly
+        one node. Device slots are not decoded: device residency never survives a restart
+        (``reconcile`` drops it), so replay only needs to know that a run was on the device.
 
         Raises:
-            ReplayError: the record does not fit the state reached.
+            ReplayError: a record does not fit the state reached.
         """
-        lsn, kind, f, blob = rec
-        self.records += 1
         tree = self.tree
-        if kind == _DROP:
-            n = f[1]
-            node = self.run(blob[:H], blob[(n - 1) * H:n * H])
-            tier = f[0]
-            if node.slots[tier] is None:
-                raise ReplayError(f"BLOCK_DROP lsn {lsn}: run not resident in tier {tier}")
-            if drop_residency(tree, node, tier):
-                self.forget(node)
-        elif kind == _MOVE:
-            n = f[1]
-            node = self.run(blob[:H], blob[(n - 1) * H:n * H])
-            tier = f[0]
-            if node.slots[tier] is not None:
-                raise ReplayError(f"BLOCK_MOVE lsn {lsn}: run already resident in tier {tier}")
-            set_residency(tree, node, tier, list(_unpacker("I", n)(blob, n * H)))
-            if len(blob) > n * (H + 4):
-                node.checksums = list(_unpacker("Q", n)(blob, n * (H + 4)))
-        elif kind == _PUT:
-            n, bb = f[1], self.block_bytes
-            parent = self.ending_at(blob[:H])
-            hashes = list(_unpacker("16s", n)(blob, H)) if n else []
-            t0 = H + n * H
-            tokens = blob[t0:t0 + n * bb]
-            key = tokens[:bb]
-            if key in parent.children:
-                raise ReplayError(f"BLOCK_PUT lsn {lsn}: the run is already indexed")
-            node = Node(parent, key, tokens, n, hashes, [None, None, None], tree.clock)
-            parent.children[key] = node
-            set_residency(tree, node, DEVICE, list(_unpacker("I", n)(blob, t0 + n * bb)))
-            self.where.update(dict.fromkeys(hashes, node))
-        elif kind == _OPEN:
-            seq_id, session_id = f[0], f[1]
-            deepest, extra = blob[:H], blob[H:]
-            if extra not in tree.roots:
-                root = tree.root(extra)
-                if self.where is not None:
-                    self.where[root.hashes[-1]] = root
-            node = tree.roots[extra] if deepest == ZERO_HASH else self.ending_at(deepest)
-            clock = tree.clock = tree.clock + 1
-            n = node
-            while n.parent is not None:
-                n.last_access = clock
-                n.hit_count += 1
-                n = n.parent
-            self.seqs[seq_id] = [session_id, node, extra]
-            if seq_id > self.max_seq_id:
-                self.max_seq_id = seq_id
-        elif kind == _RELEASE:
-            self.seqs.pop(f[0], None)
-        elif kind == _COMMIT:
-            seq = self.seqs.get(f[0])
-            if seq is not None:
-                tree.clock += 1
-                seq[1] = self.ending_at(blob)
-                seq[1].last_access = tree.clock
-        elif kind == _FORK:
-            self.max_seq_id = max(self.max_seq_id, f[1] + f[2] - 1)
-            parent = self.seqs.get(f[0])
-            if parent is not None:
-                for child in range(f[1], f[1] + f[2]):
-                    self.seqs[child] = list(parent)
-        elif kind == _RECOVER:
-            reconcile(tree, keep_host=bool(f[1]), seqs=self.seqs, replayer=self)
-        # ATTACH, DETACH, EXTEND, COW, TOUCH: nothing that outlives a restart
+        if self.where is None:
+            self._build_map()
+        get = self.where.get
+        num_in = tree.num_blocks_in
+        seqs = self.seqs
+        u32 = _U32
+        count = 0
+        for lsn, values in batches:
+            for value in values:
+                kind = value[0]
+                if kind == _DROP or kind == _MOVE:
+                    tier = value[1]
+                    n = u32(value, 2)[0]
+                    last = value[_B + H:_B + 2 * H]
+                    node = get(last)
+                    if (node is None or node.hashes[-1] != last or node.num_blocks != n
+                            or node.hashes[0] != value[_B:_B + H]):
+                        node = self.run(value[_B:_B + H], last, n, lsn)
+                    slots = node.slots
+                    if kind == _DROP:
+                        if slots[tier] is None:
+                            raise ReplayError(f"BLOCK_DROP lsn {lsn}: run not resident in tier {tier}")
+                        slots[tier] = None
+                        num_in[tier] -= n
+                        parent = node.parent
+                        parent.kids_in[tier] -= 1
+                        if slots[0] is None and slots[1] is None and slots[2] is None:
+                            if node.children:
+                                raise ReplayError(f"BLOCK_DROP lsn {lsn}: a run resident nowhere keeps children")
+                            del parent.children[node.key]
+                            self.forget(node)
+                    else:
+                        if slots[tier] is not None:
+                            raise ReplayError(f"BLOCK_MOVE lsn {lsn}: run already resident in tier {tier}")
+                        at = _B + 2 * H
+                        slots[tier] = [-1] * n if tier == DEVICE else list(_unpacker("I", n)(value, at))
+                        num_in[tier] += n
+                        node.parent.kids_in[tier] += 1
+                        if node.checksums is None and len(value) > at + 4 * n + _CRC:
+                            node.checksums = list(_unpacker("Q", n)(value, at + 4 * n))
+                elif kind == _PUT:
+                    self._put(lsn, u32(value, 2)[0], value[_B:-_CRC])
+                elif kind == _OPEN:
+                    seq_id, session_id = _OPEN_IDS(value, 1)
+                    self._open(seq_id, session_id, value[_OPEN_B:-_CRC])
+                elif kind == _RELEASE:
+                    seqs.pop(_U64(value, 1)[0], None)
+                elif kind == _COMMIT:
+                    seq = seqs.get(_U64(value, 1)[0])
+                    if seq is not None:
+                        tree.clock += 1
+                        seq[1] = self.ending_at(value[_COMMIT_B:-_CRC])
+                        seq[1].last_access = tree.clock
+                elif kind == _FORK:
+                    parent_id, first_child, num_children = _FORK_FIELDS(value, 1)
+                    self.max_seq_id = max(self.max_seq_id, first_child + num_children - 1)
+                    parent = seqs.get(parent_id)
+                    if parent is not None:
+                        for child in range(first_child, first_child + num_children):
+                            seqs[child] = list(parent)
+                elif kind == _RECOVER:
+                    reconcile(tree, keep_host=bool(value[5]), seqs=seqs, replayer=self)
+                # ATTACH, DETACH, EXTEND, COW, TOUCH: nothing that outlives a restart
+                lsn += 1
+                count += 1
+        self.records += count
+
+    def _put(self, lsn: int, n: int, blob: bytes) -> None:
+        tree, bb = self.tree, self.block_bytes
+        parent = self.ending_at(blob[:H])
+        hashes = list(_unpacker("16s", n)(blob, H)) if n else []
+        t0 = H + n * H
+        tokens = blob[t0:t0 + n * bb]
+        key = tokens[:bb]
+        if key in parent.children:
+            raise ReplayError(f"BLOCK_PUT lsn {lsn}: the run is already indexed")
+        node = Node(parent, key, tokens, n, hashes, [None, None, None], tree.clock)
+        parent.children[key] = node
+        set_residency(tree, node, DEVICE, [-1] * n)  # device slots never survive: not decoded
+        self.where.update(dict.fromkeys(hashes, node))
+
+    def _open(self, seq_id: int, session_id: int, blob: bytes) -> None:
+        tree = self.tree
+        deepest, extra = blob[:H], blob[H:]
+        if extra not in tree.roots:
+            root = tree.root(extra)
+            self.where[root.hashes[-1]] = root
+        node = tree.roots[extra] if deepest == ZERO_HASH else self.ending_at(deepest)
+        clock = tree.clock = tree.clock + 1
+        n = node
+        while n.parent is not None:
+            n.last_access = clock
+            n.hit_count += 1
+            n = n.parent
+        self.seqs[seq_id] = [session_id, node, extra]
+        if seq_id > self.max_seq_id:
+            self.max_seq_id = seq_id
 
     def forget(self, node: Node) -> None:
         node.checksums = None

@@ -95,9 +95,16 @@ class SlotAllocator:
         if wanted.min() < 0 or wanted.max() >= self.num_slots:
             bad = wanted[(wanted < 0) | (wanted >= self.num_slots)]
             raise ValueError(f"slots out of range [0, {self.num_slots}): {sorted(bad.tolist())[:8]}")
-        free = np.asarray(self._free, dtype=np.int64)
         if np.bincount(wanted, minlength=self.num_slots).max() > 1:
             raise ValueError("a slot to take is given twice")
+        if not self._deferred and len(self._free) == self.num_slots:
+            # every slot is free (recovery, on a fresh allocator): the rest stay free, in the
+            # order a fresh allocator hands them out; no pass over the old free list
+            is_free = np.ones(self.num_slots, dtype=bool)
+            is_free[wanted] = False
+            self._free = np.flatnonzero(is_free)[::-1].tolist()
+            return
+        free = np.asarray(self._free, dtype=np.int64)
         is_free = np.zeros(self.num_slots, dtype=bool)
         is_free[free] = True
         if not is_free[wanted].all():

@@ -98,7 +98,9 @@ Replay
 ``replay(after_lsn)`` yields every committed record with lsn > max(after_lsn, checkpoint lsn) in
 lsn order, each verified (checksum, length, kind), and checks the lsns are contiguous. Because
 LMDB commits are atomic, a crash loses whole groups and never leaves a torn record: there is no
-torn-tail rule, and any bad record or gap raises ``WalCorruptError(lsn, reason)``. After a restart
+torn-tail rule, and any bad record or gap raises ``WalCorruptError(lsn, reason)``.
+``replay_batches(after_lsn)`` gives the same records, equally verified, as batches of raw values
+(``(lsn of the first, [value, ...])``) for a caller that decodes fields itself. After a restart
 the lsn counter continues at max(last log lsn, checkpoint lsn) + 1.
 
 Process rules

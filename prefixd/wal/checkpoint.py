@@ -122,6 +122,6 @@ def read_checkpoint(txn: lmdb.Transaction, wenv: WalEnv) -> tuple[int, dict[byte
             chunks = parts.setdefault(user, [])
             if number != len(chunks):
                 raise WalCorruptError(lsn, f"checkpoint key {user[:40]!r}: chunk {number} follows {len(chunks)} chunks", wenv.state_dir)
-            chunks.append(bytes(chunk))
-        maps.append({k: c[0] if len(c) == 1 else b"".join(c) for k, c in parts.items()})
+            chunks.append(chunk)  # a view into the map (buffers=True): one copy, below
+        maps.append({k: bytes(c[0]) if len(c) == 1 else b"".join(c) for k, c in parts.items()})
     return lsn, maps[0], maps[1]

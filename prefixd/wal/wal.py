@@ -21,7 +21,7 @@ from prefixd.wal.errors import EnvAlreadyOpenError, WalClosedError, WalFailedErr
 from prefixd.wal.group import GroupCommitter, WalStats
 from prefixd.wal.lock import StateDirLock
 from prefixd.wal.meta import MetaInfo, open_meta
-from prefixd.wal.replay import last_lsn, replay
+from prefixd.wal.replay import last_lsn, replay, replay_batches
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +215,11 @@ class Wal:
             WalCorruptError: a bad record or an lsn gap, with the lsn.
         """
         return replay(self._env(), after_lsn)
+
+    def replay_batches(self, after_lsn: int = 0) -> Iterator[tuple[int, list[bytes]]]:
+        """``replay``, as ``(lsn of the first, raw verified values)`` batches (see
+        ``prefixd.wal.replay.replay_batches``), for callers that decode fields themselves."""
+        return replay_batches(self._env(), after_lsn)
 
     # --- state --------------------------------------------------------------------------------------
 

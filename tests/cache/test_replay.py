@@ -1,0 +1,200 @@
+"""Replay against the live index: what a restart rebuilds is what was there, minus the device.
+
+The differential check: random traffic (shared prefixes cut at random points, so matches end
+inside runs and split them; pools small enough that every tier evicts; explicit evictions of
+partial runs; checkpoints at random moments; forks; sequences left open) runs on a
+``DurableCache``; then the live index, with device residency taken away as reconciliation
+does, must equal the index a fresh process rebuilds from the checkpoint and the log tail:
+the same runs (the same node boundaries), the same host and disk slots, tokens and checksums
+per block, and the same eviction order.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import msgpack
+import pytest
+
+from prefixd.cache import checkpoint as ckpt
+from prefixd.cache.durable import DurabilityError, DurableCache
+from prefixd.cache.errors import OutOfBlocks, StateFormatError
+from prefixd.cache.node import DEVICE, DISK, HOST
+from prefixd.cache.replay import ReplayError, Replayer
+from prefixd.wal import Kind, Record, Wal
+from tests.cache.helpers import tiny_layout
+
+BS = 2
+LAYOUT = tiny_layout(BS)
+SIZES = (40, 24, 64)
+
+
+def _open(tmp_path, **kw) -> DurableCache:
+    shm = str(tmp_path / "shm")
+    os.makedirs(shm, exist_ok=True)
+    return DurableCache(str(tmp_path / "state"), LAYOUT, SIZES, shm_dir=shm, **kw)
+
+
+def _survivors(tree) -> dict:
+    """Runs that survive a restart, by (first hash, last hash): host/disk slots, tokens, sums."""
+    out = {}
+    for node in tree.nodes():
+        host, disk = node.slots[HOST], node.slots[DISK]
+        if host is None and disk is None:
+            continue  # device only: reconciliation forgets it
+        out[(node.hashes[0], node.hashes[-1])] = (
+            node.tokens, host, disk, node.checksums if disk is not None else None)
+    return out
+
+
+def _eviction_order(tree, tier: int) -> list[bytes]:
+    """Last hashes of the runs ``tier``'s queue would evict, in order (queue left empty)."""
+    order = []
+    while (node := tree.queues[tier].pop()) is not None:
+        order.append(node.hashes[-1])
+    return order
+
+
+def _traffic(dc: DurableCache, rng: random.Random, steps: int, checkpoints: bool = True) -> list[int]:
+    """Random traffic; returns the ids of sequences left open."""
+    bases = [[rng.randrange(1000) for _ in range(24)] for _ in range(4)]
+    live: list[int] = []
+    for _ in range(steps):
+        r = rng.random()
+        if r < 0.65 or not live:
+            base = rng.choice(bases)
+            prompt = base[: rng.randrange(1, len(base))] + [rng.randrange(1000) for _ in range(rng.randrange(0, 7))]
+            if len(prompt) < 2:
+                prompt.append(7)
+            try:
+                seq = dc.open(prompt)
+            except OutOfBlocks:  # the live sequences hold the device: a legitimate refusal
+                continue
+            try:
+                dc.commit(seq.id, rng.choice(("index", "crash")))
+            except DurabilityError:  # the host tier is full of quarantined slots: still indexed
+                pass
+            if rng.random() < 0.15 and len(live) < 2:
+                live.append(seq.id)
+            else:
+                dc.release(seq.id)
+        elif r < 0.75:
+            tier = rng.choice((DEVICE, HOST, DISK))
+            dc.cache.evict(rng.randrange(1, 5), tier)
+            dc._log()
+        elif r < 0.8 and live:
+            children = dc.fork(rng.choice(live), 2)
+            for child in children:
+                dc.release(child.id)
+        elif r < 0.85 and checkpoints:
+            dc.checkpoint()
+        elif live:
+            dc.release(live.pop(rng.randrange(len(live))))
+    return live
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_restart_rebuilds_the_live_index_without_the_device(tmp_path, seed):
+    rng = random.Random(seed)
+    dc = _open(tmp_path, checkpoint_records=10**9)
+    _traffic(dc, rng, 160, checkpoints=bool(seed % 2))  # even seeds: the whole history is a tail
+    dc.wal.flush().result()
+    dc.cache.check_invariants()
+    want = _survivors(dc.cache.tree)
+    tree = dc.cache.tree
+    tree.rebuild_queues()
+    dc.close()
+    assert want, "the traffic left nothing on host or disk: the check would be empty"
+
+    dc = _open(tmp_path)
+    if seed % 2 == 0:
+        assert dc.recovery["records_replayed"] > 500, dc.recovery
+    got = _survivors(dc.cache.tree)
+    assert got.keys() == want.keys(), "runs differ: replay split (or did not split) differently"
+    for key, value in want.items():
+        assert got[key] == value, f"run {key[0].hex()}..: {got[key]} != {value}"
+    assert dc.cache.tree.num_blocks_in[DEVICE] == 0
+    dc.check_invariants()
+
+
+def test_eviction_order_is_the_same_after_replay(tmp_path):
+    """The log tail (not only the checkpoint) restores last access: reopened prefixes move back."""
+    rng = random.Random(99)
+    dc = _open(tmp_path, checkpoint_records=10**9)
+    _traffic(dc, rng, 80)
+    dc.checkpoint()
+    for _ in range(6):  # touch some cached prefixes after the checkpoint: only the log has it
+        node = rng.choice([n for n in dc.cache.tree.nodes() if n.slots[DISK] is not None])
+        tokens = b"".join(n.tokens for n in reversed([node, *_ancestors(node)]))
+        seq = dc.open(list(memoryview(tokens).cast("i")) + [5])
+        dc.release(seq.id)
+    dc.wal.flush().result()
+    live_tree = dc.cache.tree
+    live_tree.rebuild_queues()
+    want = [h for h in _eviction_order(live_tree, DISK) if _resident_after_restart(live_tree, h)]
+    dc.close()
+    dc = _open(tmp_path)
+    dc.expire_recovered()
+    got = _eviction_order(dc.cache.tree, DISK)
+    assert got == want
+
+
+def _ancestors(node):
+    out = []
+    while node.parent is not None and node.parent.parent is not None:
+        node = node.parent
+        out.append(node)
+    return out
+
+
+def _resident_after_restart(tree, last_hash) -> bool:
+    return any(n.hashes[-1] == last_hash and (n.slots[HOST] or n.slots[DISK]) for n in tree.nodes())
+
+
+def test_a_state_dir_of_another_record_format_is_refused_untouched(tmp_path):
+    dc = _open(tmp_path)
+    seq = dc.open([1, 2, 3, 4, 5])
+    dc.commit(seq.id, "crash")
+    dc.release(seq.id)
+    # rewrite the checkpoint's meta as format 1 wrote it (no records_version)
+    lsn, index, seqs = dc.wal.load_checkpoint()
+    meta = msgpack.unpackb(index[b"meta"])
+    del meta["records_version"]
+    index[b"meta"] = msgpack.packb(meta)
+    dc.wal.checkpoint(lsn, index, seqs)
+    dc.close()
+    state = tmp_path / "state"
+    before = sorted((p.name, p.stat().st_size) for p in state.rglob("*") if p.is_file())
+    with pytest.raises(StateFormatError, match="format 1, this build reads format 2"):
+        _open(tmp_path)
+    assert sorted((p.name, p.stat().st_size) for p in state.rglob("*") if p.is_file()) == before
+    meta["records_version"] = ckpt.RECORDS_VERSION  # the same directory opens once it says 2
+    index[b"meta"] = msgpack.packb(meta)
+    wal = Wal(str(state), layouts=None)
+    wal.checkpoint(lsn, index, seqs)
+    wal.close()
+    dc = _open(tmp_path)
+    assert dc.lookup([1, 2, 3, 4, 5]).cached_tokens == 4
+    dc.close()
+
+
+def test_a_record_naming_a_run_that_is_not_one_node_is_an_error(tmp_path):
+    dc = _open(tmp_path)
+    for first in (1, 2):
+        seq = dc.open([first, 2, 3, 4, 5, 6, 7])
+        dc.commit(seq.id, "crash")
+        dc.release(seq.id)
+    nodes = [n for n in dc.cache.tree.nodes()]
+    a, b = nodes[0], nodes[1]
+    replayer = Replayer(dc.cache.tree, {}, dc.cache.block_bytes)
+    with pytest.raises(ReplayError, match="not one run"):  # first of one run, last of another
+        replayer.apply(Record(1, Kind.BLOCK_DROP, (DISK, a.num_blocks), a.hashes[0] + b.hashes[-1]))
+    with pytest.raises(ReplayError, match="not in the index"):
+        replayer.apply(Record(2, Kind.BLOCK_DROP, (DISK, 1), b"\x01" * 32))
+    tier = HOST if a.slots[HOST] is not None else DISK
+    assert a.slots[tier] is not None
+    with pytest.raises(ReplayError, match="already resident"):
+        replayer.apply(Record(3, Kind.BLOCK_MOVE, (tier, a.num_blocks),
+                              a.hashes[0] + a.hashes[-1] + b"\x00" * 4 * a.num_blocks))
+    dc.close()
