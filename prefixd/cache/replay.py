@@ -25,6 +25,8 @@ import struct
 from bisect import bisect_right
 from itertools import chain, repeat
 
+import numpy as np
+
 from prefixd.cache.hashing import namespace_hash
 from prefixd.cache.node import DEVICE, HOST, Node, split
 from prefixd.wal.codec import CRC_SIZE, encode
@@ -99,9 +101,11 @@ class Replayer:
         self.block_bytes = block_bytes
         self.seqs = seqs
         self.where: dict[bytes, Node] | None = None
+        self.runs: dict[bytes, Node] = {}  # first hash || last hash -> the node that is exactly that run
         self.records = 0
         self.max_seq_id = 0  # the highest sequence id an OPEN or FORK record named
         self._ckpt: tuple | None = None  # (nodes, flat hashes, first block of each node)
+        self._ckpt_lo: np.ndarray | None = None  # first 8 bytes of each checkpoint hash, as u64
 
     def use_checkpoint(self, nodes: list[Node], hashes: bytes) -> None:
         """Index the checkpoint's runs by their first and last hash only; any other block of
@@ -117,11 +121,12 @@ class Replayer:
 
     def _build_map(self) -> dict[bytes, Node]:
         if self._ckpt is not None:
-            where = {}
+            where, runs = {}, self.runs
             for node in self._ckpt[0]:
                 hashes = node.hashes
                 where[hashes[0]] = node
                 where[hashes[-1]] = node
+                runs[hashes[0] + hashes[-1]] = node
             for root in self.tree.roots.values():
                 where[root.hashes[-1]] = root
             self.where = where
@@ -129,6 +134,7 @@ class Replayer:
         nodes = list(self.tree.nodes())
         where = dict(zip(chain.from_iterable([n.hashes for n in nodes]),
                          chain.from_iterable([repeat(n, n.num_blocks) for n in nodes])))
+        self.runs = {n.hashes[0] + n.hashes[-1]: n for n in nodes}
         for root in self.tree.roots.values():
             where[root.hashes[-1]] = root
         self.where = where
@@ -155,12 +161,14 @@ class Replayer:
         if self._ckpt is None:
             return None
         nodes, flat, starts = self._ckpt
-        i = flat.find(h)
-        while i >= 0 and i % H:
-            i = flat.find(h, i + 1)
-        if i < 0:
+        if self._ckpt_lo is None:
+            self._ckpt_lo = np.frombuffer(flat, "<u8")[0::2]
+        for i in np.flatnonzero(self._ckpt_lo == int.from_bytes(h[:8], "little")).tolist():
+            if flat[i * H:(i + 1) * H] == h:
+                break
+        else:
             return None
-        node = nodes[bisect_right(starts, i // H) - 1]
+        node = nodes[bisect_right(starts, i) - 1]
         slots = node.slots
         if (slots[0] is None and slots[1] is None and slots[2] is None) or h not in node.hashes:
             return None
@@ -172,23 +180,30 @@ class Replayer:
         hashes = node.hashes
         if hashes[-1] == h or node.parent is None:
             return node
-        head = split(node, hashes.index(h) + 1, self.block_bytes)
-        where = self.where
-        where.update(dict.fromkeys(head.hashes, head))
-        where[node.hashes[0]] = node  # the tail's new first block: records name runs by it
-        return head
+        return self._split(node, hashes.index(h) + 1)
 
     def run(self, first: bytes, last: bytes, n: int, lsn: int = 0) -> Node:
         """The node holding exactly the ``n`` blocks ``first .. last`` (cut at both ends as needed)."""
         node = self._node_of(first)
         if node.hashes[0] != first:
-            head = split(node, node.hashes.index(first), self.block_bytes)
-            self.where.update(dict.fromkeys(head.hashes, head))
-            self.where[first] = node
+            self._split(node, node.hashes.index(first))
         node = self.ending_at(last)
         if node.hashes[0] != first or node.num_blocks != n:
             raise ReplayError(f"lsn {lsn}: run {first.hex()}..{last.hex()} of {n} blocks is not one run of the index")
         return node
+
+    def _split(self, node: Node, k: int) -> Node:
+        """``node.split`` that keeps ``where`` and ``runs`` right; returns the head."""
+        runs, where = self.runs, self.where
+        old = node.hashes[0] + node.hashes[-1]
+        if runs.get(old) is node:
+            del runs[old]
+        head = split(node, k, self.block_bytes)
+        where.update(dict.fromkeys(head.hashes, head))
+        where[node.hashes[0]] = node  # the tail's new first block: records name runs by it
+        runs[head.hashes[0] + head.hashes[-1]] = head
+        runs[node.hashes[0] + node.hashes[-1]] = node
+        return head
 
     # -- records -----------------------------------------------------------------------------
 
@@ -212,7 +227,7 @@ class Replayer:
         tree = self.tree
         if self.where is None:
             self._build_map()
-        get = self.where.get
+        get_run = self.runs.get
         num_in = tree.num_blocks_in
         seqs = self.seqs
         u32 = _U32
@@ -222,12 +237,10 @@ class Replayer:
                 kind = value[0]
                 if kind == _DROP or kind == _MOVE:
                     tier = value[1]
-                    n = u32(value, 2)[0]
-                    last = value[_B + H:_B + 2 * H]
-                    node = get(last)
-                    if (node is None or node.hashes[-1] != last or node.num_blocks != n
-                            or node.hashes[0] != value[_B:_B + H]):
-                        node = self.run(value[_B:_B + H], last, n, lsn)
+                    node = get_run(value[_B:_B + 2 * H])  # usually the run is exactly one node
+                    if node is None:
+                        node = self.run(value[_B:_B + H], value[_B + H:_B + 2 * H], u32(value, 2)[0], lsn)
+                    n = node.num_blocks
                     slots = node.slots
                     if kind == _DROP:
                         if slots[tier] is None:
@@ -290,6 +303,8 @@ class Replayer:
         parent.children[key] = node
         set_residency(tree, node, DEVICE, [-1] * n)  # device slots never survive: not decoded
         self.where.update(dict.fromkeys(hashes, node))
+        if hashes:
+            self.runs[hashes[0] + hashes[-1]] = node
 
     def _open(self, seq_id: int, session_id: int, blob: bytes) -> None:
         tree = self.tree
@@ -316,6 +331,9 @@ class Replayer:
             for h in node.hashes:
                 if get(h) is node:
                     del where[h]
+            key = node.hashes[0] + node.hashes[-1]
+            if self.runs.get(key) is node:
+                del self.runs[key]
 
 
 def reconcile(tree, *, keep_host: bool, seqs: dict, replayer: Replayer | None = None,

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from itertools import islice
+from operator import ge, itemgetter, le
 
 import google_crc32c
 import lmdb
 
-from prefixd.wal.codec import CRC_SIZE, Record, decode, pack_key, unpack_key
+from prefixd.wal.codec import CRC_SIZE, KEY_SIZE, Record, decode, pack_key, unpack_key
 from prefixd.wal.records import CODECS
 from prefixd.wal.env import WalEnv
 from prefixd.wal.errors import WalCorruptError
@@ -38,15 +39,69 @@ _new_record = tuple.__new__
 _FAST = [None if c is None else (c.kind, c.struct.unpack_from, c.fixed_size, c.spec.blob) for c in CODECS]
 
 
-def _read_batch(wenv: WalEnv, start_lsn: int, limit: int) -> tuple[int, list[tuple[bytes, bytes]]]:
-    def fn(txn: lmdb.Transaction) -> tuple[int, list[tuple[bytes, bytes]]]:
+_BIG = 1 << 62
+# per kind code: the shortest and longest valid value (kind + fields [+ blob] + crc)
+_MIN_LEN = [_BIG if c is None else c.fixed_size + CRC_SIZE for c in CODECS]
+_MAX_LEN = [_BIG if c is None or c.spec.blob else c.fixed_size + CRC_SIZE for c in CODECS]
+_kind_of = itemgetter(0)
+
+
+def _read_batch(wenv: WalEnv, start_lsn: int, limit: int) -> tuple[int, bytes, bytes, list[bytes]]:
+    """``(checkpoint lsn, first key, last key, values)`` of up to ``limit`` records from
+    ``start_lsn`` on (keys ``b""`` when there is none)."""
+    def fn(txn: lmdb.Transaction) -> tuple[int, bytes, bytes, list[bytes]]:
         checkpoint_lsn = get_u64(txn, wenv.meta, K_CHECKPOINT)
         cursor = txn.cursor(db=wenv.log)
         if not cursor.set_range(pack_key(start_lsn)):
-            return checkpoint_lsn, []
-        return checkpoint_lsn, list(islice(cursor, limit))
+            return checkpoint_lsn, b"", b"", []
+        first = cursor.key()
+        values = list(islice(cursor.iternext(keys=False, values=True), limit))
+        # the cursor rests on the last value taken, or is unset when the log ran out
+        last = cursor.key() or (cursor.last() and cursor.key())
+        return checkpoint_lsn, first, last, values
 
     return wenv.read(fn)
+
+
+def _missing_lsn(wenv: WalEnv, expect: int, limit: int) -> WalCorruptError:
+    """The error for a gap somewhere in ``limit`` records from ``expect`` on."""
+    def fn(txn: lmdb.Transaction) -> list[bytes]:
+        cursor = txn.cursor(db=wenv.log)
+        cursor.set_range(pack_key(expect))
+        return list(islice(cursor.iternext(keys=True, values=False), limit))
+
+    for i, key in enumerate(wenv.read(fn)):
+        if unpack_key(key) != expect + i:
+            return WalCorruptError(expect + i, f"missing record: the next stored lsn is {unpack_key(key)}",
+                                   wenv.state_dir)
+    raise AssertionError("a gap was seen in the log, then not found")  # pragma: no cover
+
+
+def _all_valid(values: list[bytes]) -> bool:
+    """Every value's checksum, kind and length are right (C-level passes, no Python loop)."""
+    if list(map(_crc32c, values)).count(CRC32C_RESIDUE) != len(values):
+        return False
+    try:
+        kinds = list(map(_kind_of, values))
+    except IndexError:  # an empty value
+        return False
+    lengths = list(map(len, values))
+    return (all(map(ge, lengths, map(_MIN_LEN.__getitem__, kinds)))
+            and all(map(le, lengths, map(_MAX_LEN.__getitem__, kinds))))
+
+
+def _first_invalid(values: list[bytes], first_lsn: int, path: str) -> tuple[int, WalCorruptError]:
+    """Index and error of the first bad value (``_all_valid`` said there is one)."""
+    for i, value in enumerate(values):
+        fast = _FAST[value[0]] if value and _crc32c(value) == CRC32C_RESIDUE else None
+        end = len(value) - CRC_SIZE
+        if fast is None or end < fast[2] or (end > fast[2] and not fast[3]):
+            try:  # the slow path names exactly what is wrong
+                decode(first_lsn + i, value)
+            except WalCorruptError as exc:
+                return i, WalCorruptError(first_lsn + i, exc.reason, path)
+            break
+    raise AssertionError("fast and slow record checks disagree")  # pragma: no cover
 
 
 def replay_batches(wenv: WalEnv, after_lsn: int = 0, batch: int = BATCH) -> Iterator[tuple[int, list[bytes]]]:
@@ -58,41 +113,31 @@ def replay_batches(wenv: WalEnv, after_lsn: int = 0, batch: int = BATCH) -> Iter
     record and a copy of its blob cost more than applying most of them).
 
     Raises:
-        WalCorruptError: a bad record or a gap in the lsns (carries the lsn).
+        WalCorruptError: a bad record or a gap in the lsns (carries the lsn). The records
+            before a bad one are yielded first.
         ForkedEnvError: used in a forked child.
     """
     if after_lsn < 0:
         raise ValueError(f"after_lsn must be >= 0, got {after_lsn}")
     expect = None
     next_lsn = after_lsn + 1
-    path = wenv.state_dir
     while True:
-        checkpoint_lsn, rows = _read_batch(wenv, next_lsn, batch)
+        checkpoint_lsn, first, last, values = _read_batch(wenv, next_lsn, batch)
         if expect is None:
             expect = max(after_lsn, checkpoint_lsn) + 1
         # LMDB keys are unique and sorted: first and last in place means no gap in between
-        if rows and (unpack_key(rows[0][0]) != expect or unpack_key(rows[-1][0]) != expect + len(rows) - 1):
-            for i, (key, _) in enumerate(rows):
-                if unpack_key(key) != expect + i:
-                    raise WalCorruptError(expect + i, f"missing record: the next stored lsn is {unpack_key(key)}", path)
-        values = [value for _, value in rows]
-        for i, value in enumerate(values):
-            fast = _FAST[value[0]] if value and _crc32c(value) == CRC32C_RESIDUE else None
-            end = len(value) - CRC_SIZE
-            if fast is None or end < fast[2] or (end > fast[2] and not fast[3]):
-                try:  # the slow path names exactly what is wrong
-                    decode(expect + i, value)
-                except WalCorruptError as exc:
-                    error = WalCorruptError(expect + i, exc.reason, path)
-                else:  # pragma: no cover
-                    raise AssertionError("fast and slow record decoding disagree")
-                if i:
-                    yield expect, values[:i]  # every record before the bad one is good
-                raise error
+        if values and (len(first) != KEY_SIZE or len(last) != KEY_SIZE or unpack_key(first) != expect
+                       or unpack_key(last) != expect + len(values) - 1):
+            raise _missing_lsn(wenv, expect, len(values))
+        if not _all_valid(values):
+            i, error = _first_invalid(values, expect, wenv.state_dir)
+            if i:
+                yield expect, values[:i]  # every record before the bad one is good
+            raise error
         if values:
             yield expect, values
         expect += len(values)
-        if len(rows) < batch:
+        if len(values) < batch:
             return
         next_lsn = expect
 
