@@ -3,17 +3,24 @@
 Structure::
 
     append() --(lock: lsn, key, pending list)--> pending group
-    flush()  --> the pending group's shared Future (or the in-flight group's, or a done one)
-    committer thread: take the whole pending group + queued jobs under the lock, then outside it:
-        one write txn (cursor.putmulti(append=True)) -> durable per sync -> resolve the Future
+    flush()  --> a Future for "every lsn <= the last appended one is durable" (one per lsn)
+    committer thread: take the pending group (at most max_group_records) + queued jobs under the
+        lock, then outside it: one write txn (cursor.putmulti(append=True)) -> durable per sync
+        -> resolve every flush Future whose lsn the group covers
         jobs (checkpoint, sync-now) run after the group they were queued behind
 
 Invariants (under ``_cv``):
 
-- lsns are assigned in append order, so ``pending`` keys ascend and are all > ``committed_lsn``;
-  ``durable_lsn <= committed_lsn < next_lsn`` and ``pending`` holds exactly
-  ``committed_lsn + 1 + (in-flight group) .. next_lsn - 1``.
-- A Future resolves with lsn L only when every record <= L is durable per the sync policy.
+- lsns are assigned in append order, so ``pending`` keys ascend and are all > ``taken_lsn``;
+  ``durable_lsn <= committed_lsn <= taken_lsn < next_lsn`` and ``pending`` holds exactly
+  ``taken_lsn + 1 .. next_lsn - 1``.
+- ``waiters`` holds (lsn, Future) with ascending lsns, all > ``committed_lsn``; a Future
+  resolves with lsn L only when every record <= L is durable per the sync policy.
+
+NOTE: a flush Future belongs to an lsn, not to a group: with a producer ahead of the disk, the
+pending records are cut into groups of ``max_group_records`` and a Future shared by everything
+pending would resolve only with the last of them, holding its waiter one group too long (the
+WAL bench lost a third of its throughput to that idle pipeline).
 - Once ``failure`` is set it never clears: every open and future ticket fails with
   :class:`WalFailedError`, ``append`` raises it, and the committer has exited.
 
@@ -30,6 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from typing import Callable, NamedTuple
 
@@ -66,7 +74,6 @@ class _Taken(NamedTuple):
     """What the committer took under the lock for one step."""
 
     group: list[tuple[bytes, bytes]]
-    future: Future | None
     last_lsn: int
     jobs: list[tuple[Callable[[], object], Future]]
     closing: bool
@@ -102,14 +109,14 @@ class GroupCommitter:
         self._cv = threading.Condition(self._lock)
         # --- guarded by _cv ---
         self._pending: list[tuple[bytes, bytes]] = []
-        self._pending_future: Future | None = None  # shared by every flush() of the pending group
+        self._waiters: deque[tuple[int, Future]] = deque()  # flush tickets by lsn, ascending
         self._first_append_t = 0.0
-        self._flush_wanted = False
+        self._flush_wanted = False  # a waiter's lsn is still pending: commit without delay
         self._next_lsn = next_lsn
+        self._taken_lsn = next_lsn - 1  # the last lsn the committer took
         self._committed_lsn = next_lsn - 1
         self._durable_lsn = next_lsn - 1
-        self._tail_future: Future | None = None  # latest taken group, until it is durable
-        self._unsynced: list[Future] = []  # interval: committed groups awaiting the next fsync
+        self._unsynced: list[Future] = []  # interval: tickets committed, awaiting the next fsync
         self._jobs: list[tuple[Callable[[], object], Future, int]] = []  # (job, future, after lsn)
         self._failure: WalFailedError | None = None
         self._closing = False
@@ -160,17 +167,21 @@ class GroupCommitter:
         with self._cv:
             if self._failure is not None:
                 return _failed(self._failure)
-            if self._pending:
-                fut = self._pending_future
-                if fut is None:
-                    fut = self._pending_future = Future()
-                if not self._flush_wanted:
-                    self._flush_wanted = True
-                    self._cv.notify_all()
+            last = self._next_lsn - 1
+            if last <= self._durable_lsn:
+                return _done(self._durable_lsn)
+            waiters = self._waiters
+            if waiters and waiters[-1][0] == last:
+                return waiters[-1][1]
+            fut: Future = Future()
+            if last <= self._committed_lsn:  # interval: committed, resolved by the next fsync
+                self._unsynced.append(fut)
                 return fut
-            if self._tail_future is not None:
-                return self._tail_future
-            return _done(self._durable_lsn)
+            waiters.append((last, fut))
+            if last > self._taken_lsn and not self._flush_wanted:
+                self._flush_wanted = True
+                self._cv.notify_all()
+            return fut
 
     def submit(self, job: Callable[[], object]) -> Future:
         """Run ``job()`` on the committer after the pending group; its result resolves the Future.
@@ -220,7 +231,7 @@ class GroupCommitter:
             timeout = None
             if self._pending:
                 timeout = self._first_append_t + self._max_delay_s - now
-            if self._unsynced:
+            if self._committed_lsn > self._durable_lsn:
                 due = self._last_sync_t + self._interval_s - now
                 timeout = due if timeout is None else min(timeout, due)
             if timeout is not None and timeout <= 0:
@@ -232,32 +243,25 @@ class GroupCommitter:
     def _take(self) -> _Taken:
         """Under ``_cv``: take the pending group (at most ``max_group_records``) and the jobs.
 
-        Records beyond the cap stay pending with the shared flush Future, which therefore
-        resolves with a later group; groups resolve in lsn order, so that is never early.
+        Records beyond the cap stay pending (and wanted, if a flush waits for them).
         """
         pending = self._pending
-        last = self._next_lsn - 1
         if len(pending) > self._max_group:
             group = pending[: self._max_group]
             del pending[: self._max_group]  # a memmove: a backlog of millions stays cheap
-            last -= len(pending)
-            fut: Future | None = Future()
             self._first_append_t = time.monotonic()
         else:
             group, self._pending = pending, []
-            fut, self._pending_future = self._pending_future, None
-            self._flush_wanted = False
-            if group and fut is None:
-                fut = Future()
-        if group:
-            self._tail_future = fut
+        last = self._taken_lsn = self._next_lsn - 1 - len(self._pending)
+        waiters = self._waiters
+        self._flush_wanted = bool(waiters) and waiters[-1][0] > last
         # A job runs once every record appended before it was submitted is in this group or an
         # earlier one; records appended after it never hold it back (a busy appender would
         # otherwise starve a checkpoint forever).
         jobs = [(job, fut) for job, fut, after in self._jobs if after <= last]
         if jobs:
             self._jobs = [entry for entry in self._jobs if entry[2] > last]
-        return _Taken(group, fut, last, jobs, self._closing and not self._pending)
+        return _Taken(group, last, jobs, self._closing and not self._pending)
 
     def _run(self) -> None:
         while True:
@@ -279,22 +283,27 @@ class GroupCommitter:
                         return
 
     def _step(self, taken: _Taken) -> None:
-        group, fut, last, jobs, closing = taken
+        group, last, jobs, closing = taken
         if group:
-            self._commit_group(group, fut, last)
+            self._commit_group(group, last)
         for job, job_fut in jobs:
             self._run_job(job, job_fut)
-        if self._unsynced and (closing or time.monotonic() >= self._last_sync_t + self._interval_s):
+        if self._committed_lsn > self._durable_lsn and (closing or time.monotonic() >= self._last_sync_t + self._interval_s):
             self.sync_now()
         if closing and self._sync == "none":
             self._wenv.sync()
         self._maybe_reader_check()
 
-    def _commit_group(self, group: list[tuple[bytes, bytes]], fut: Future, last: int) -> None:
+    def _commit_group(self, group: list[tuple[bytes, bytes]], last: int) -> None:
         t0 = time.perf_counter()
 
         def put(txn) -> None:
-            consumed, added = txn.cursor(db=self._wenv.log).putmulti(group, append=True)
+            # NOTE: putmulti releases and retakes the GIL around every put; with a producer
+            # running Python on the other core, each retake waited, and a 64-record group took
+            # 200 us instead of 20. Holding the append lock parks producers (GIL released)
+            # for those 20 us.
+            with self._lock:
+                consumed, added = txn.cursor(db=self._wenv.log).putmulti(group, append=True)
             if added != len(group):
                 raise WalError(f"group commit stored {added} of {len(group)} records (lsn order broken)")
             crash_point("wal_before_commit")
@@ -311,15 +320,17 @@ class GroupCommitter:
         self._groups_since_reader_check += 1
         with self._cv:
             self._committed_lsn = last
+            waiters, done = self._waiters, []
+            while waiters and waiters[0][0] <= last:
+                done.append(waiters.popleft()[1])
             if self._sync == "interval":
-                self._unsynced.append(fut)
+                self._unsynced += done
                 return
             self._durable_lsn = last
-            if self._tail_future is fut:
-                self._tail_future = None
         if self._sync == "commit":
             self._n_syncs += 1
-        fut.set_result(last)
+        for fut in done:
+            fut.set_result(last)
 
     def sync_now(self) -> int:
         """fsync the environment and resolve every committed-but-unsynced ticket (committer
@@ -327,13 +338,16 @@ class GroupCommitter:
         with self._cv:
             waiting, self._unsynced = self._unsynced, []
             last = self._committed_lsn
-        self._wenv.sync()
+        try:
+            self._wenv.sync()
+        except BaseException:
+            with self._cv:  # the caller poisons the log, which fails every ticket it holds
+                self._unsynced = waiting + self._unsynced
+            raise
         self._last_sync_t = time.monotonic()
         self._n_syncs += 1
         with self._cv:
             self._durable_lsn = last
-            if self._tail_future in waiting:
-                self._tail_future = None
         for fut in waiting:
             fut.set_result(last)
         return last
@@ -363,9 +377,9 @@ class GroupCommitter:
         log.error("wal poisoned path=%s error=%r", self._wenv.state_dir, exc)
         with self._cv:
             self._failure = failure
-            futures = [f for f in (self._pending_future, self._tail_future) if f is not None]
+            futures = [f for _, f in self._waiters]
             futures += self._unsynced + [entry[1] for entry in self._jobs] + [f for _, f in jobs]
-            self._pending, self._pending_future, self._tail_future = [], None, None
+            self._pending, self._waiters = [], deque()
             self._unsynced, self._jobs = [], []
             self._cv.notify_all()  # producers waiting on the backlog limit see the failure
         for fut in futures:
@@ -389,10 +403,13 @@ class GroupCommitter:
 
     def check_invariants(self) -> None:
         with self._cv:
-            assert self._durable_lsn <= self._committed_lsn < self._next_lsn, "lsn order broken"
+            assert self._durable_lsn <= self._committed_lsn <= self._taken_lsn < self._next_lsn, "lsn order broken"
+            lsns = [lsn for lsn, _ in self._waiters]
+            assert lsns == sorted(set(lsns)), "flush waiters out of order"
+            assert not lsns or lsns[0] > self._committed_lsn, "a committed lsn still has waiters"
             keys = [k for k, _ in self._pending]
             assert keys == sorted(keys), "pending keys out of order"
             if keys:
                 assert keys[-1] == pack_key(self._next_lsn - 1), "pending does not end at next_lsn - 1"
             if self._failure is not None:
-                assert not self._pending and not self._unsynced, "a poisoned log holds records"
+                assert not self._pending and not self._unsynced and not self._waiters, "a poisoned log holds records"

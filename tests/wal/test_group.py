@@ -239,3 +239,41 @@ def test_a_producer_that_outruns_the_disk_is_held_back(open_wal):
         thread.join()
     assert max(worst) <= 16 * 8 + 2 * 8, f"backlog reached {max(worst)} records"
     assert wal.stats().records_committed > 100
+
+
+def test_a_ticket_resolves_with_the_group_holding_its_lsn_not_a_later_one(open_wal):
+    """Guards against one Future shared by everything pending: with a producer ahead of the
+    committer, the backlog is cut into capped groups and such a ticket waited for the last."""
+    wal = open_wal(max_group_records=4)
+    gate = threading.Event()
+    real_write = wal._wenv.write
+    first = []
+
+    def held_write(fn):
+        if not first:
+            first.append(1)
+            assert gate.wait(10)
+        return real_write(fn)
+
+    wal._wenv.write = held_write
+    wal.append(Kind.RELEASE, 0)
+    wal.flush()  # the committer takes lsn 1 and waits at the gate
+    deadline = time.monotonic() + 5
+    while not first and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert first, "the committer never took the first group"
+    for i in range(4):
+        wal.append(Kind.RELEASE, 1 + i)
+    ticket_a = wal.flush()  # lsns 2..5: the next group
+    for i in range(4):
+        wal.append(Kind.RELEASE, 10 + i)
+    ticket_b = wal.flush()  # lsns 6..9: the group after it
+    assert ticket_a is not ticket_b
+    committed_when_a_resolved = []
+    ticket_a.add_done_callback(lambda f: committed_when_a_resolved.append(wal.stats().committed_lsn))
+    gate.set()
+    assert ticket_a.result(10) == 5
+    assert ticket_b.result(10) == 9
+    assert committed_when_a_resolved == [5], "ticket A waited for a later group"
+    assert wal.flush().result(1) == 9  # nothing new: an already durable lsn
+    wal.check_invariants()
