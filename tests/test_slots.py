@@ -64,3 +64,58 @@ def test_take_refuses_a_slot_given_twice():
     with pytest.raises(ValueError, match="twice"):
         alloc.take([2, 2])
     assert alloc.num_free == 4
+
+
+class _StackModel:
+    """The allocator as first written: every free slot in one list, the stack top last."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.free, self.deferred = n, list(range(n - 1, -1, -1)), []
+
+    def allocate(self, k: int):
+        if k > len(self.free):
+            return None
+        out = self.free[len(self.free) - k:][::-1]
+        del self.free[len(self.free) - k:]
+        return out
+
+    def take(self, slots) -> None:
+        self.free = [s for s in self.free if s not in set(slots)]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_never_used_bound_hands_out_exactly_what_one_free_list_did(seed):
+    """Guards the lazy never-used range against changing which slot comes next."""
+    import random
+
+    rng = random.Random(seed)
+    n = rng.randrange(1, 40)
+    alloc, model = SlotAllocator(n), _StackModel(n)
+    if rng.random() < 0.3:  # recovery first: take some slots on the fresh allocator
+        taken = rng.sample(range(n), rng.randrange(0, n + 1))
+        alloc.take(taken)
+        model.take(taken)
+    held: list[int] = []
+    for _ in range(200):
+        r = rng.random()
+        if r < 0.45:
+            k = rng.randrange(0, 6)
+            got = alloc.allocate(k)
+            assert got == model.allocate(k)
+            held += got or []
+        elif r < 0.75 and held:
+            part = [held.pop(rng.randrange(len(held))) for _ in range(rng.randrange(1, len(held) + 1))]
+            alloc.free(part)
+            model.free.extend(reversed(part))
+        elif r < 0.9 and held:
+            part = [held.pop()]
+            alloc.defer_free(part)
+            model.deferred += part
+        else:
+            alloc.reclaim_deferred()
+            model.free.extend(reversed(model.deferred))
+            model.deferred.clear()
+        assert alloc.num_free == len(model.free)
+        assert alloc.num_used == n - len(model.free) - len(model.deferred)
+        assert alloc.used_slots() == set(range(n)) - set(model.free) - set(model.deferred)
+        alloc.check_invariants()

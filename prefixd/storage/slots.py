@@ -23,24 +23,37 @@ class SlotAllocator:
 
     Invariants (``check_invariants``):
         * every slot in ``[0, num_slots)`` is in exactly one of: free, deferred, used;
-        * ``num_free + num_deferred + num_used == num_slots``.
+        * ``num_free + num_deferred + num_used == num_slots``;
+        * slots ``>= _fresh`` were never handed out; they are free and sit at the bottom of the
+          stack (below ``_free``), lowest first.
+
+    NOTE: the never-used slots are a bound, not a list: a million-slot disk tier would
+    otherwise build a million ints at start, a tenth of a large recovery, to throw most of
+    them away when the saved index takes its slots.
 
     NOTE: double frees are not detected on the hot path (that would cost a set lookup per slot);
     ``check_invariants`` finds them, and the cache core's own invariants find the owner.
     """
 
-    __slots__ = ("num_slots", "_free", "_deferred")
+    __slots__ = ("num_slots", "_free", "_fresh", "_deferred")
 
     def __init__(self, num_slots: int) -> None:
         if num_slots < 0:
             raise ValueError(f"num_slots must be >= 0, got {num_slots}")
         self.num_slots = num_slots
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._free: list[int] = []  # freed slots, top of the stack last
+        self._fresh = 0  # slots [_fresh, num_slots) were never handed out
         self._deferred: list[int] = []
+
+    def _materialize(self) -> None:
+        """Put the never-used slots into ``_free`` (at the bottom), for the rare whole-list paths."""
+        if self._fresh < self.num_slots:
+            self._free[:0] = range(self.num_slots - 1, self._fresh - 1, -1)
+            self._fresh = self.num_slots
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_slots - self._fresh
 
     @property
     def num_deferred(self) -> int:
@@ -48,21 +61,33 @@ class SlotAllocator:
 
     @property
     def num_used(self) -> int:
-        return self.num_slots - len(self._free) - len(self._deferred)
+        return self._fresh - len(self._free) - len(self._deferred)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= len(self._free) + self.num_slots - self._fresh
 
     def allocate(self, n: int) -> list[int] | None:
         """Take ``n`` free slots; ``None`` (and nothing taken) when fewer are free."""
         free = self._free
         if n > len(free):
-            return None
+            return self._allocate_fresh(n)
         if n == 0:
             return []
         out = free[-n:]
         del free[-n:]
         out.reverse()
+        return out
+
+    def _allocate_fresh(self, n: int) -> list[int] | None:
+        """``allocate`` once the freed slots run out: all of them, then never-used ones."""
+        free = self._free
+        extra = n - len(free)
+        if extra > self.num_slots - self._fresh:
+            return None
+        out = free[::-1]
+        free.clear()
+        out += range(self._fresh, self._fresh + extra)
+        self._fresh += extra
         return out
 
     def free(self, slots: list[int]) -> None:
@@ -97,13 +122,15 @@ class SlotAllocator:
             raise ValueError(f"slots out of range [0, {self.num_slots}): {sorted(bad.tolist())[:8]}")
         if np.bincount(wanted, minlength=self.num_slots).max() > 1:
             raise ValueError("a slot to take is given twice")
-        if not self._deferred and len(self._free) == self.num_slots:
-            # every slot is free (recovery, on a fresh allocator): the rest stay free, in the
-            # order a fresh allocator hands them out; no pass over the old free list
+        if not self._deferred and not self._free and not self._fresh:
+            # a fresh allocator (recovery): the rest stay free, in the order a fresh allocator
+            # hands them out, without a pass over a list of every slot
             is_free = np.ones(self.num_slots, dtype=bool)
             is_free[wanted] = False
             self._free = np.flatnonzero(is_free)[::-1].tolist()
+            self._fresh = self.num_slots
             return
+        self._materialize()
         free = np.asarray(self._free, dtype=np.int64)
         is_free = np.zeros(self.num_slots, dtype=bool)
         is_free[free] = True
@@ -113,11 +140,12 @@ class SlotAllocator:
         self._free = free[is_free[free]].tolist()
 
     def used_slots(self) -> set[int]:
-        return set(range(self.num_slots)) - set(self._free) - set(self._deferred)
+        return set(range(self._fresh)) - set(self._free) - set(self._deferred)
 
     def check_invariants(self) -> None:
         free, deferred = self._free, self._deferred
         both = free + deferred
         assert len(set(both)) == len(both), "a slot is free or deferred twice"
-        assert all(0 <= s < self.num_slots for s in both), "a free slot is out of range"
+        assert all(0 <= s < self._fresh for s in both), "a free slot is out of range or never used"
+        assert 0 <= self._fresh <= self.num_slots, "the never-used bound is out of range"
         assert self.num_free + self.num_deferred + self.num_used == self.num_slots
