@@ -5,10 +5,14 @@ Layout (``index`` values; arrays are little-endian numpy buffers):
 * ``nodes.parent`` i32: index of the parent node in this table, or ``-1 - r`` for root ``r``;
   parents come before children (depth-first order).
 * ``nodes.blocks`` i32, ``nodes.last_access`` i64, ``nodes.hits`` i64, ``nodes.priority`` i32,
-  ``nodes.has_sums`` u8.
-* ``blocks.hashes`` (16 bytes each), ``blocks.tokens`` (``block_bytes`` each),
-  ``blocks.device`` / ``blocks.host`` / ``blocks.disk`` i32 slots (-1: not resident),
-  ``blocks.sums`` u64: one entry per block, in node order.
+  ``nodes.flags`` u8: bit ``1 << t`` when resident in tier ``t`` (device 0, host 1, disk 2),
+  bit ``8`` when the run's checksums are known.
+* ``blocks.hashes`` (16 bytes each), ``blocks.tokens`` (``block_bytes`` each): one entry per
+  block, in node order.
+* ``blocks.host`` / ``blocks.disk`` u32 slots and ``blocks.sums`` u64: entries only for the
+  nodes whose flag says so, in node order. Device slots are not saved: device residency never
+  survives a restart (recovery drops it), but whether a run was on the device is (the log
+  after the checkpoint may drop it from there).
 * ``roots``: msgpack list of ``[extra, root_hash]``; ``meta``: msgpack map (block size, clock,
   next sequence id, store file ids).
 
@@ -33,8 +37,8 @@ from prefixd.cache.records import RECORDS_VERSION
 def dump(cache, extra_meta: dict, seqs: list) -> tuple[dict[bytes, bytes], dict[bytes, bytes]]:
     """``(index, seqs)`` values for ``Wal.checkpoint``."""
     tree = cache.tree
-    parents, nblocks, last, hits, prio, has_sums = [], [], [], [], [], []
-    hashes, tokens, dev, host, disk, sums = [], [], [], [], [], []
+    parents, nblocks, last, hits, prio, flags = [], [], [], [], [], []
+    hashes, tokens, host, disk, sums = [], [], [], [], []
     roots = list(tree.roots.items())
     index_of: dict[int, int] = {}
     for r, (_, root) in enumerate(roots):
@@ -50,10 +54,15 @@ def dump(cache, extra_meta: dict, seqs: list) -> tuple[dict[bytes, bytes], dict[
             prio.append(node.priority)
             hashes += node.hashes
             tokens.append(node.tokens)
-            for col, slots in zip((dev, host, disk), node.slots):
-                col += slots if slots is not None else [-1] * n
-            has_sums.append(node.checksums is not None)
-            sums += node.checksums if node.checksums is not None else [0] * n
+            on_device, on_host, on_disk = node.slots
+            if on_host is not None:
+                host += on_host
+            if on_disk is not None:
+                disk += on_disk
+            if node.checksums is not None:
+                sums += node.checksums
+            flags.append((on_device is not None) | (on_host is not None) << 1 | (on_disk is not None) << 2
+                         | (node.checksums is not None) << 3)
             me = index_of[id(node)]
             stack.extend((child, me) for child in reversed(list(node.children.values())))
     index = {
@@ -62,12 +71,11 @@ def dump(cache, extra_meta: dict, seqs: list) -> tuple[dict[bytes, bytes], dict[
         b"nodes.last_access": np.asarray(last, "<i8").tobytes(),
         b"nodes.hits": np.asarray(hits, "<i8").tobytes(),
         b"nodes.priority": np.asarray(prio, "<i4").tobytes(),
-        b"nodes.has_sums": np.asarray(has_sums, "u1").tobytes(),
+        b"nodes.flags": np.asarray(flags, "u1").tobytes(),
         b"blocks.hashes": b"".join(hashes),
         b"blocks.tokens": b"".join(tokens),
-        b"blocks.device": np.asarray(dev, "<i4").tobytes(),
-        b"blocks.host": np.asarray(host, "<i4").tobytes(),
-        b"blocks.disk": np.asarray(disk, "<i4").tobytes(),
+        b"blocks.host": np.asarray(host, "<u4").tobytes(),
+        b"blocks.disk": np.asarray(disk, "<u4").tobytes(),
         b"blocks.sums": np.asarray(sums, "<u8").tobytes(),
         b"roots": msgpack.packb([[extra, root.hashes[-1]] for extra, root in roots]),
         b"meta": msgpack.packb({"block_size": cache.block_size, "clock": tree.clock,
@@ -109,13 +117,13 @@ def load(tree, index: dict[bytes, bytes], block_bytes: int) -> tuple[dict, list[
     last = np.frombuffer(index[b"nodes.last_access"], "<i8").tolist()
     hits = np.frombuffer(index[b"nodes.hits"], "<i8").tolist()
     prio = np.frombuffer(index[b"nodes.priority"], "<i4").tolist()
-    has_sums = np.frombuffer(index[b"nodes.has_sums"], "u1").tolist()
+    flags = np.frombuffer(index[b"nodes.flags"], "u1").tolist()
     hb = index[b"blocks.hashes"]
     tb = index[b"blocks.tokens"]
-    cols = [np.frombuffer(index[k], "<i4") for k in (b"blocks.device", b"blocks.host", b"blocks.disk")]
-    cols = [col.tolist() if (col >= 0).any() else None for col in cols]  # a tier resident nowhere: no list
-    sums = np.frombuffer(index[b"blocks.sums"], "<u8")
-    sums = sums.tolist() if any(has_sums) else None
+    host = np.frombuffer(index[b"blocks.host"], "<u4").tolist()
+    disk = np.frombuffer(index[b"blocks.disk"], "<u4").tolist()
+    sums = np.frombuffer(index[b"blocks.sums"], "<u8").tolist()
+    at_host = at_disk = at_sums = 0
     # V16 (not S16: that would strip trailing zero bytes) turns into bytes objects in C
     hashes = np.frombuffer(hb, "V16").tolist()
     nodes: list[Node] = []
@@ -126,23 +134,38 @@ def load(tree, index: dict[bytes, bytes], block_bytes: int) -> tuple[dict, list[
         for i, parent_ref in enumerate(parents):
             a, b = starts[i], starts[i + 1]
             parent = nodes[parent_ref] if parent_ref >= 0 else roots[-1 - parent_ref]
+            n = b - a
             toks = tb[a * block_bytes:b * block_bytes]
-            slots = []
-            for t, col in enumerate(cols):
-                if col is None or col[a] < 0:
-                    slots.append(None)
-                else:
-                    slots.append(col[a:b])
-                    parent.kids_in[t] += 1
-                    counts[t] += b - a
-            node = Node(parent, toks[:block_bytes], toks, nblocks[i], hashes[a:b], slots, last[i])
+            slots = [None, None, None]
+            f = flags[i]
+            if f & 7:
+                kids = parent.kids_in
+                if f & 1:
+                    slots[0] = [-1] * n  # only the fact survives: see the module docstring
+                    kids[0] += 1
+                    counts[0] += n
+                if f & 2:
+                    slots[1] = host[at_host:at_host + n]
+                    at_host += n
+                    kids[1] += 1
+                    counts[1] += n
+                if f & 4:
+                    slots[2] = disk[at_disk:at_disk + n]
+                    at_disk += n
+                    kids[2] += 1
+                    counts[2] += n
+            node = Node(parent, toks[:block_bytes], toks, n, hashes[a:b], slots, last[i])
             node.hit_count = hits[i]
             node.priority = prio[i]
-            if has_sums[i]:
-                node.checksums = sums[a:b]
+            if f & 8:
+                node.checksums = sums[at_sums:at_sums + n]
+                at_sums += n
             parent.children[node.key] = node
             nodes.append(node)
     finally:
         if enabled:
             gc.enable()
+    if (at_host, at_disk, at_sums) != (len(host), len(disk), len(sums)):
+        raise ValueError(f"checkpoint columns disagree with node flags: used {at_host}/{len(host)} host, "
+                         f"{at_disk}/{len(disk)} disk slots and {at_sums}/{len(sums)} checksums")
     return meta, nodes

@@ -63,7 +63,9 @@ class SeqReleased(NamedTuple):
 
 
 class BlocksMoved(NamedTuple):
-    """Blocks became resident in ``tier`` at ``slots`` (bytes written, checksums known)."""
+    """Blocks became resident in ``tier`` at ``slots`` (bytes written). ``checksums``: the
+    run's checksums when this copy established or changed them, else empty (they are known
+    from an earlier event, which is what keeps them out of most move records)."""
 
     tier: int
     hashes: list[bytes]

@@ -351,7 +351,7 @@ class PrefixCache:
         seq.num_indexed = num_full
         events = self.events
         for run in adopted:  # runs only in lower tiers took our device copies of their blocks
-            events.append(new_event(BlocksMoved, (DEVICE, run.hashes, run.slots[DEVICE], run.checksums or [])))
+            events.append(new_event(BlocksMoved, (DEVICE, run.hashes, run.slots[DEVICE], [])))
         added = 0
         if new is not None:
             events.append(new_event(BlocksStored, (new.parent.hashes[-1], new.hashes, new.tokens, new.slots[DEVICE])))

@@ -9,8 +9,8 @@ kind           blob
 OPEN           deepest shared block hash (16 bytes, or empty) || extra
 COMMIT         hash of the sequence's last indexed block (16 bytes)
 BLOCK_PUT      parent hash (16) || hashes (16 n) || tokens (n block_bytes) || device slots (4 n)
-BLOCK_MOVE     first hash (16) || last hash (16) || slots (4 n) || checksums (8 n; empty
-               into the device tier, or when not known)
+BLOCK_MOVE     first hash (16) || last hash (16) || slots (4 n) || checksums (8 n, only when
+               this copy established or changed them; else empty)
 BLOCK_DROP     first hash (16) || last hash (16)
 =============  ================================================================
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 import numpy as np
 
 from prefixd.cache import events as ev
-from prefixd.cache.node import DEVICE
 from prefixd.wal.records import Kind
 
 H = 16
@@ -70,9 +69,7 @@ def event_records(event, session_id: int = 0) -> tuple:
         return Kind.BLOCK_PUT, (0, n), event.parent_hash + b"".join(event.hashes) + event.tokens + _u32(event.slots)
     if t is ev.BlocksMoved:
         n = len(event.hashes)
-        # a run's checksums are known before it reaches the device (they come with its first
-        # copy to the host or disk): device moves do not repeat them
-        sums = _u64(event.checksums) if event.checksums and event.tier != DEVICE else b""
+        sums = _u64(event.checksums) if event.checksums else b""
         hashes = event.hashes
         return Kind.BLOCK_MOVE, (event.tier, n), hashes[0] + hashes[-1] + _u32(event.slots) + sums
     if t is ev.BlocksDropped:

@@ -261,7 +261,7 @@ class Replayer:
                         slots[tier] = [-1] * n if tier == DEVICE else list(_unpacker("I", n)(value, at))
                         num_in[tier] += n
                         node.parent.kids_in[tier] += 1
-                        if node.checksums is None and len(value) > at + 4 * n + _CRC:
+                        if len(value) > at + 4 * n + _CRC:  # new or changed checksums
                             node.checksums = list(_unpacker("Q", n)(value, at + 4 * n))
                 elif kind == _PUT:
                     self._put(lsn, u32(value, 2)[0], value[_B:-_CRC])

@@ -190,10 +190,13 @@ class Tiering:
         for k, n in enumerate(chain):
             mine = slots[pos:pos + n.num_blocks]
             pos += n.num_blocks
-            if checksums is not None and checksums[k] is not None:
-                n.checksums = checksums[k]
+            sums = checksums[k] if checksums is not None else None
+            if sums is not None and sums != n.checksums:
+                n.checksums = sums
+            else:
+                sums = []  # already known: the move record need not repeat them
             self.tree.set_residency(n, tier, mine)
-            self.cache.events.append(new_event(BlocksMoved, (tier, n.hashes, mine, n.checksums or [])))
+            self.cache.events.append(new_event(BlocksMoved, (tier, n.hashes, mine, sums)))
 
     @staticmethod
     def _checksums_of(chain: list[Node], src: int) -> list[int]:
@@ -291,7 +294,8 @@ class Tiering:
         return done
 
     def _moved(self, node: Node, tier: int) -> None:
-        self.cache.events.append(new_event(BlocksMoved, (tier, node.hashes, node.slots[tier], node.checksums or [])))
+        # a promotion copies known bytes: their checksums came with an earlier move
+        self.cache.events.append(new_event(BlocksMoved, (tier, node.hashes, node.slots[tier], [])))
 
     def cut_corrupt(self, node: Node, good: int) -> Node | None:
         """Block ``good`` of ``node`` failed its disk checksum: forget it and everything below it
