@@ -84,7 +84,43 @@ def dump(cache, extra_meta: dict, seqs: list) -> tuple[dict[bytes, bytes], dict[
     return index, {b"seqs": msgpack.packb(seqs)}
 
 
-def check_format(index: dict[bytes, bytes], state_dir: str) -> None:
+def whole(value) -> bytes:
+    """A checkpoint value as one bytes object (``Wal.with_checkpoint`` gives chunk lists)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
+    return b"".join(value)
+
+
+def _column(value, dtype: str) -> list:
+    """A numpy column's items as a list, from a whole value or its chunks (each chunk holds a
+    whole number of items: chunks are 1 MiB), without joining the chunks first."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return np.frombuffer(value, dtype).tolist()
+    out: list = []
+    for chunk in value:
+        out += np.frombuffer(chunk, dtype).tolist()
+    return out
+
+
+class _Slices:
+    """Byte ranges of a value given whole or as equal-size chunks, each copied once."""
+
+    def __init__(self, value) -> None:
+        chunks = [value] if isinstance(value, (bytes, bytearray, memoryview)) else list(value)
+        self.chunks = chunks
+        self.size = max(len(chunks[0]), 1) if chunks else 1
+        if any(len(c) != self.size for c in chunks[:-1]):
+            raise ValueError("checkpoint chunks of one value differ in size")
+
+    def get(self, a: int, b: int) -> bytes:
+        size, chunks = self.size, self.chunks
+        i, j = a // size, max(b - 1, a) // size
+        if i == j:
+            return bytes(chunks[i][a - i * size:b - i * size])
+        return b"".join([chunks[i][a - i * size:], *chunks[i + 1:j], chunks[j][:b - j * size]])
+
+
+def check_format(index: dict, state_dir: str) -> None:
     """Refuse a checkpoint (and so the log after it) written with other record layouts.
 
     Raises:
@@ -92,40 +128,38 @@ def check_format(index: dict[bytes, bytes], state_dir: str) -> None:
     """
     if not index:
         return
-    saved = msgpack.unpackb(index[b"meta"]).get("records_version", 1)
+    saved = msgpack.unpackb(whole(index[b"meta"])).get("records_version", 1)
     if saved != RECORDS_VERSION:
         raise StateFormatError(state_dir, saved, RECORDS_VERSION)
 
 
-def load(tree, index: dict[bytes, bytes], block_bytes: int) -> tuple[dict, list[Node]]:
-    """Rebuild ``tree`` (empty) from checkpoint values; returns ``(meta, nodes in file order)``.
+def load(tree, index: dict, block_bytes: int) -> tuple[dict, list[Node], list[bytes]]:
+    """Rebuild ``tree`` (empty) from checkpoint values, each whole or as its chunk list;
+    returns ``(meta, nodes in file order, every block hash in file order)``.
 
     Residency is set directly (the caller rebuilds queues and allocators after replay).
     """
     if not index:
-        return {}, []
-    meta = msgpack.unpackb(index[b"meta"])
+        return {}, [], []
+    meta = msgpack.unpackb(whole(index[b"meta"]))
     tree.clock = meta["clock"]
     roots = []
-    for extra, root_hash in msgpack.unpackb(index[b"roots"]):
+    for extra, root_hash in msgpack.unpackb(whole(index[b"roots"])):
         root = tree.roots[extra] = new_root(root_hash)
         roots.append(root)
-    parents = np.frombuffer(index[b"nodes.parent"], "<i4").tolist()
-    nblocks = np.frombuffer(index[b"nodes.blocks"], "<i4")
-    starts = np.concatenate([[0], np.cumsum(nblocks, dtype=np.int64)]).tolist()
-    nblocks = nblocks.tolist()
-    last = np.frombuffer(index[b"nodes.last_access"], "<i8").tolist()
-    hits = np.frombuffer(index[b"nodes.hits"], "<i8").tolist()
-    prio = np.frombuffer(index[b"nodes.priority"], "<i4").tolist()
-    flags = np.frombuffer(index[b"nodes.flags"], "u1").tolist()
-    hb = index[b"blocks.hashes"]
-    tb = index[b"blocks.tokens"]
-    host = np.frombuffer(index[b"blocks.host"], "<u4").tolist()
-    disk = np.frombuffer(index[b"blocks.disk"], "<u4").tolist()
-    sums = np.frombuffer(index[b"blocks.sums"], "<u8").tolist()
+    parents = _column(index[b"nodes.parent"], "<i4")
+    starts = np.concatenate([[0], np.cumsum(_column(index[b"nodes.blocks"], "<i4"), dtype=np.int64)]).tolist()
+    last = _column(index[b"nodes.last_access"], "<i8")
+    hits = _column(index[b"nodes.hits"], "<i8")
+    prio = _column(index[b"nodes.priority"], "<i4")
+    flags = _column(index[b"nodes.flags"], "u1")
+    tokens = _Slices(index[b"blocks.tokens"])
+    host = _column(index[b"blocks.host"], "<u4")
+    disk = _column(index[b"blocks.disk"], "<u4")
+    sums = _column(index[b"blocks.sums"], "<u8")
     at_host = at_disk = at_sums = 0
     # V16 (not S16: that would strip trailing zero bytes) turns into bytes objects in C
-    hashes = np.frombuffer(hb, "V16").tolist()
+    hashes = _column(index[b"blocks.hashes"], "V16")
     nodes: list[Node] = []
     counts = tree.num_blocks_in
     enabled = gc.isenabled()
@@ -135,7 +169,7 @@ def load(tree, index: dict[bytes, bytes], block_bytes: int) -> tuple[dict, list[
             a, b = starts[i], starts[i + 1]
             parent = nodes[parent_ref] if parent_ref >= 0 else roots[-1 - parent_ref]
             n = b - a
-            toks = tb[a * block_bytes:b * block_bytes]
+            toks = tokens.get(a * block_bytes, b * block_bytes)
             slots = [None, None, None]
             f = flags[i]
             if f & 7:
@@ -168,4 +202,4 @@ def load(tree, index: dict[bytes, bytes], block_bytes: int) -> tuple[dict, list[
     if (at_host, at_disk, at_sums) != (len(host), len(disk), len(sums)):
         raise ValueError(f"checkpoint columns disagree with node flags: used {at_host}/{len(host)} host, "
                          f"{at_disk}/{len(disk)} disk slots and {at_sums}/{len(sums)} checksums")
-    return meta, nodes
+    return meta, nodes, hashes

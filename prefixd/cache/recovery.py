@@ -49,45 +49,19 @@ def recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify,
     sizes = tuple(num_blocks)
     t = time.perf_counter()
     phases["open_s"] = t - t0
-    lsn, index, seq_values = wal.load_checkpoint()
-    ckpt.check_format(index, self.state_dir)  # before anything in the directory is touched
-    first_start = not index
-    name = f"prefixd-{wal.root_seed[:6].hex()}-{layout.digest()[:6].hex()}"
-    meta = wal.meta
-    host_path = os.path.join(shm_dir, f"{name}.host.pool")
-    keep_host = (not first_start and meta.previous_boot_id == meta.boot_id
-                 and os.path.exists(host_path))
-    dev_path = os.path.join(shm_dir, f"{name}.device.pool")
-    for path, drop in ((dev_path, True), (host_path, not keep_host)):
-        if drop and os.path.exists(path):
-            os.unlink(path)
-    saved_ids = {}
-    if index:
-        import msgpack
-
-        saved = msgpack.unpackb(index[b"meta"]).get("file_ids", {})
-        saved_ids = {Tier(int(k)): bytes.fromhex(v) for k, v in saved.items()
-                     if int(k) == DISK or (int(k) == HOST and keep_host)}
-    self.store = TierStore(layout, {Tier.DEVICE: sizes[0], Tier.HOST: sizes[1], Tier.DISK: sizes[2]},
-                           state_dir=self.state_dir, shm_dir=shm_dir, name=name,
-                           fresh=first_start, file_ids=saved_ids, use_cuda=use_cuda)
-    root = root_hash(wal.root_seed, tenant_salt, layout.digest())
-    self.cache = cache = PrefixCache(sizes, layout.block_size, root_hash=root, policy=policy,
-                                     data=self.store, write_policy=write_policy)
+    # NOTE: the checkpoint is read inside one read transaction, straight from the map: a
+    # 1M-block checkpoint is ~90 MB, and joining its chunks first cost a copy of all of it.
+    lsn, first_start, keep_host, ckpt_meta, ckpt_nodes, ckpt_hashes, seqs = wal.with_checkpoint(
+        lambda lsn, index, seq_values: _from_checkpoint(
+            self, lsn, index, seq_values, layout, sizes, tenant_salt, write_policy, policy,
+            shm_dir, use_cuda))
+    cache = self.cache
     tree = cache.tree
-    ckpt_meta, ckpt_nodes = ckpt.load(tree, index, cache.block_bytes)
-    seqs: dict = {}
-    if seq_values:
-        import msgpack
-
-        for seq_id, session_id, deepest, extra in msgpack.unpackb(seq_values[b"seqs"]):
-            root_node = tree.root(extra)
-            seqs[seq_id] = [session_id, root_node if deepest == ZERO_HASH else deepest, extra]
     t2 = time.perf_counter()
     phases["checkpoint_load_s"] = t2 - t
     replayer = Replayer(tree, seqs, cache.block_bytes)
     if ckpt_nodes:
-        replayer.use_checkpoint(ckpt_nodes, index[b"blocks.hashes"])
+        replayer.use_checkpoint(ckpt_nodes, ckpt_hashes)
     for seq in seqs.values():  # checkpointed sequences name their node by hash
         if isinstance(seq[1], bytes):
             seq[1] = replayer.ending_at(seq[1])
@@ -143,6 +117,45 @@ def recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify,
     self.recovery = phases
     log.info("prefixd cache ready state_dir=%s epoch=%d blocks=%s recovered_seqs=%d ready_s=%.3f",
              self.state_dir, wal.open_epoch(), tree.num_blocks_in, len(self.recovered), phases["ready_s"])
+
+def _from_checkpoint(self, lsn, index, seq_values, layout, sizes, tenant_salt, write_policy, policy,
+                     shm_dir, use_cuda) -> tuple:
+    """The part of recovery that reads the checkpoint (values as chunk lists, valid only
+    during this call): refuse another format, open the tiers, rebuild the tree."""
+    import msgpack
+
+    wal = self.wal
+    ckpt.check_format(index, self.state_dir)  # before anything in the directory is touched
+    first_start = not index
+    name = f"prefixd-{wal.root_seed[:6].hex()}-{layout.digest()[:6].hex()}"
+    meta = wal.meta
+    host_path = os.path.join(shm_dir, f"{name}.host.pool")
+    keep_host = (not first_start and meta.previous_boot_id == meta.boot_id
+                 and os.path.exists(host_path))
+    dev_path = os.path.join(shm_dir, f"{name}.device.pool")
+    for path, drop in ((dev_path, True), (host_path, not keep_host)):
+        if drop and os.path.exists(path):
+            os.unlink(path)
+    saved_ids = {}
+    if index:
+        saved = msgpack.unpackb(ckpt.whole(index[b"meta"])).get("file_ids", {})
+        saved_ids = {Tier(int(k)): bytes.fromhex(v) for k, v in saved.items()
+                     if int(k) == DISK or (int(k) == HOST and keep_host)}
+    self.store = TierStore(layout, {Tier.DEVICE: sizes[0], Tier.HOST: sizes[1], Tier.DISK: sizes[2]},
+                           state_dir=self.state_dir, shm_dir=shm_dir, name=name,
+                           fresh=first_start, file_ids=saved_ids, use_cuda=use_cuda)
+    root = root_hash(wal.root_seed, tenant_salt, layout.digest())
+    self.cache = cache = PrefixCache(sizes, layout.block_size, root_hash=root, policy=policy,
+                                     data=self.store, write_policy=write_policy)
+    tree = cache.tree
+    ckpt_meta, ckpt_nodes, ckpt_hashes = ckpt.load(tree, index, cache.block_bytes)
+    seqs: dict = {}
+    if seq_values:
+        for seq_id, session_id, deepest, extra in msgpack.unpackb(ckpt.whole(seq_values[b"seqs"])):
+            root_node = tree.root(extra)
+            seqs[seq_id] = [session_id, root_node if deepest == ZERO_HASH else deepest, extra]
+    return lsn, first_start, keep_host, ckpt_meta, ckpt_nodes, ckpt_hashes, seqs
+
 
 def verify_disk(self) -> int:
     """Eager verification: every disk block against its checksum; bad ones cut."""

@@ -104,13 +104,13 @@ class Replayer:
         self.runs: dict[bytes, Node] = {}  # first hash || last hash -> the node that is exactly that run
         self.records = 0
         self.max_seq_id = 0  # the highest sequence id an OPEN or FORK record named
-        self._ckpt: tuple | None = None  # (nodes, flat hashes, first block of each node)
+        self._ckpt: tuple | None = None  # (nodes, every block hash, first block of each node)
         self._ckpt_lo: np.ndarray | None = None  # first 8 bytes of each checkpoint hash, as u64
 
-    def use_checkpoint(self, nodes: list[Node], hashes: bytes) -> None:
+    def use_checkpoint(self, nodes: list[Node], hashes: list[bytes]) -> None:
         """Index the checkpoint's runs by their first and last hash only; any other block of
-        theirs is found in ``hashes`` (the checkpoint's flat hash column) when a record names
-        it. Call before the first record."""
+        theirs is found in ``hashes`` (every checkpoint block's hash, in node order) when a
+        record names it. Call before the first record."""
         starts, total = [], 0
         for node in nodes:
             starts.append(total)
@@ -160,11 +160,11 @@ class Replayer:
         """
         if self._ckpt is None:
             return None
-        nodes, flat, starts = self._ckpt
-        if self._ckpt_lo is None:
-            self._ckpt_lo = np.frombuffer(flat, "<u8")[0::2].copy()  # contiguous: each compare reads 8 MB, not a 16 MB stride
+        nodes, hashes, starts = self._ckpt
+        if self._ckpt_lo is None:  # the first 8 bytes of every hash, contiguous
+            self._ckpt_lo = np.frombuffer(b"".join(hashes), "<u8")[0::2].copy()
         for i in np.flatnonzero(self._ckpt_lo == int.from_bytes(h[:8], "little")).tolist():
-            if flat[i * H:(i + 1) * H] == h:
+            if hashes[i] == h:
                 break
         else:
             return None

@@ -100,8 +100,11 @@ def _truncate_log(txn: lmdb.Transaction, wenv: WalEnv, lsn: int) -> int:
     return count
 
 
-def read_checkpoint(txn: lmdb.Transaction, wenv: WalEnv) -> tuple[int, dict[bytes, bytes], dict[bytes, bytes]]:
+def read_checkpoint(txn: lmdb.Transaction, wenv: WalEnv, join: bool = True) -> tuple[int, dict, dict]:
     """Read the checkpoint: ``(checkpoint_lsn, index, seqs)``; ``(0, {}, {})`` if none was written.
+
+    ``join=False`` leaves each value as its list of chunks, as the transaction gives them
+    (memoryviews into the map when it was begun with ``buffers=True``: valid only inside it).
 
     Raises:
         WalCorruptError: a chunk fails its checksum or a chunk number is missing (lsn = the
@@ -123,5 +126,8 @@ def read_checkpoint(txn: lmdb.Transaction, wenv: WalEnv) -> tuple[int, dict[byte
             if number != len(chunks):
                 raise WalCorruptError(lsn, f"checkpoint key {user[:40]!r}: chunk {number} follows {len(chunks)} chunks", wenv.state_dir)
             chunks.append(chunk)  # a view into the map (buffers=True): one copy, below
-        maps.append({k: bytes(c[0]) if len(c) == 1 else b"".join(c) for k, c in parts.items()})
+        if join:
+            maps.append({k: bytes(c[0]) if len(c) == 1 else b"".join(c) for k, c in parts.items()})
+        else:
+            maps.append(parts)
     return lsn, maps[0], maps[1]

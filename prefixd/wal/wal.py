@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from typing import TypeVar
 
 from prefixd.faults import crash_point
 from prefixd.wal.checkpoint import read_checkpoint, write_checkpoint
@@ -22,6 +23,8 @@ from prefixd.wal.group import GroupCommitter, WalStats
 from prefixd.wal.lock import StateDirLock
 from prefixd.wal.meta import MetaInfo, open_meta
 from prefixd.wal.replay import last_lsn, replay, replay_batches
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +210,18 @@ class Wal:
         """
         wenv = self._env()
         return wenv.read(lambda txn: read_checkpoint(txn, wenv), buffers=True)
+
+    def with_checkpoint(self, fn: Callable[[int, dict, dict], T]) -> T:
+        """``fn(checkpoint_lsn, index, seqs)`` inside one read transaction, each value given as
+        its list of chunks: memoryviews into the map, valid only until ``fn`` returns (copy
+        what you keep). Saves a copy of every value over ``load_checkpoint``: a 1M-block
+        checkpoint is ~90 MB.
+
+        Raises:
+            WalCorruptError: a checkpoint chunk fails its checksum or is missing.
+        """
+        wenv = self._env()
+        return wenv.read(lambda txn: fn(*read_checkpoint(txn, wenv, join=False)), buffers=True)
 
     def replay(self, after_lsn: int = 0) -> Iterator[Record]:
         """Committed records with lsn > ``max(after_lsn, checkpoint lsn)``, verified, in lsn order.
