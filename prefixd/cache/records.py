@@ -1,4 +1,4 @@
-"""What the cache's events become in the write-ahead log, and back.
+"""What the cache's events become in the write-ahead log (``replay`` reads them back).
 
 The WAL stores ``kind | fixed fields | blob``; this module defines the blob of each kind the
 cache writes. Hashes are 16 bytes, slots u32 little-endian, checksums u64 little-endian.
@@ -9,8 +9,8 @@ kind           blob
 OPEN           deepest shared block hash (16 bytes, or empty) || extra
 COMMIT         hash of the sequence's last indexed block (16 bytes)
 BLOCK_PUT      parent hash (16) || hashes (16 n) || tokens (n block_bytes) || device slots (4 n)
-BLOCK_MOVE     first hash (16) || last hash (16) || slots (4 n) || checksums (8 n, only when
-               this copy established or changed them; else empty)
+BLOCK_MOVE     first hash (16) || last hash (16) || slots (4 n; none into the device tier)
+               || checksums (8 n, only when this copy established or changed them)
 BLOCK_DROP     first hash (16) || last hash (16)
 =============  ================================================================
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from prefixd.cache import events as ev
+from prefixd.cache.node import DEVICE
 from prefixd.wal.records import Kind
 
 H = 16
@@ -40,10 +41,6 @@ def _u32(values) -> bytes:
 
 def _u64(values) -> bytes:
     return np.asarray(values, dtype="<u8").tobytes()
-
-
-def split_hashes(blob: bytes, n: int) -> list[bytes]:
-    return [blob[i:i + H] for i in range(0, n * H, H)]
 
 
 def event_records(event, session_id: int = 0) -> tuple:
@@ -71,27 +68,10 @@ def event_records(event, session_id: int = 0) -> tuple:
         n = len(event.hashes)
         sums = _u64(event.checksums) if event.checksums else b""
         hashes = event.hashes
+        if event.tier == DEVICE:  # device residency never survives a restart: only the fact is logged
+            return Kind.BLOCK_MOVE, (event.tier, n), hashes[0] + hashes[-1] + sums
         return Kind.BLOCK_MOVE, (event.tier, n), hashes[0] + hashes[-1] + _u32(event.slots) + sums
     if t is ev.BlocksDropped:
         hashes = event.hashes
         return Kind.BLOCK_DROP, (event.tier, len(hashes)), hashes[0] + hashes[-1]
     raise TypeError(f"no record for event {event!r}")
-
-
-def decode_put(blob: bytes, n: int, block_bytes: int):
-    """``(parent_hash, hashes, tokens, device_slots)`` of a BLOCK_PUT blob."""
-    parent = blob[:H]
-    hashes = split_hashes(blob[H:], n)
-    t0 = H + n * H
-    tokens = blob[t0:t0 + n * block_bytes]
-    slots = np.frombuffer(blob, dtype="<u4", count=n, offset=t0 + n * block_bytes).tolist()
-    return parent, hashes, tokens, slots
-
-
-def decode_move(blob: bytes, n: int):
-    """``(first hash, last hash, slots, checksums or None)`` of a BLOCK_MOVE blob."""
-    slots = np.frombuffer(blob, dtype="<u4", count=n, offset=2 * H).tolist()
-    sums = None
-    if len(blob) > 2 * H + 4 * n:
-        sums = np.frombuffer(blob, dtype="<u8", count=n, offset=2 * H + 4 * n).tolist()
-    return blob[:H], blob[H:2 * H], slots, sums

@@ -258,11 +258,15 @@ class Replayer:
                         if slots[tier] is not None:
                             raise ReplayError(f"BLOCK_MOVE lsn {lsn}: run already resident in tier {tier}")
                         at = _B + 2 * H
-                        slots[tier] = [-1] * n if tier == DEVICE else list(_unpacker("I", n)(value, at))
+                        if tier == DEVICE:  # the record carries no device slots
+                            slots[tier] = [-1] * n
+                        else:
+                            slots[tier] = list(_unpacker("I", n)(value, at))
+                            at += 4 * n
                         num_in[tier] += n
                         node.parent.kids_in[tier] += 1
-                        if len(value) > at + 4 * n + _CRC:  # new or changed checksums
-                            node.checksums = list(_unpacker("Q", n)(value, at + 4 * n))
+                        if len(value) > at + _CRC:  # new or changed checksums
+                            node.checksums = list(_unpacker("Q", n)(value, at))
                 elif kind == _PUT:
                     self._put(lsn, u32(value, 2)[0], value[_B:-_CRC])
                 elif kind == _OPEN:
