@@ -32,7 +32,7 @@ from prefixd.cache.node import DEVICE
 from prefixd.wal.records import Kind
 
 H = 16
-RECORDS_VERSION = 2  # 1: moves and drops named every block of their run
+RECORDS_VERSION = 3  # 1: moves and drops named every block; 2: device moves carried slots
 
 
 def _u32(values) -> bytes:

@@ -232,67 +232,74 @@ class Replayer:
         seqs = self.seqs
         u32 = _U32
         count = 0
-        for lsn, values in batches:
-            for value in values:
-                kind = value[0]
-                if kind == _DROP or kind == _MOVE:
-                    tier = value[1]
-                    node = get_run(value[_B:_B + 2 * H])  # usually the run is exactly one node
-                    if node is None:
-                        node = self.run(value[_B:_B + H], value[_B + H:_B + 2 * H], u32(value, 2)[0], lsn)
-                    n = node.num_blocks
-                    slots = node.slots
-                    if kind == _DROP:
-                        if slots[tier] is None:
-                            raise ReplayError(f"BLOCK_DROP lsn {lsn}: run not resident in tier {tier}")
-                        slots[tier] = None
-                        num_in[tier] -= n
-                        parent = node.parent
-                        parent.kids_in[tier] -= 1
-                        if slots[0] is None and slots[1] is None and slots[2] is None:
-                            if node.children:
-                                raise ReplayError(f"BLOCK_DROP lsn {lsn}: a run resident nowhere keeps children")
-                            del parent.children[node.key]
-                            self.forget(node)
-                    else:
-                        if slots[tier] is not None:
-                            raise ReplayError(f"BLOCK_MOVE lsn {lsn}: run already resident in tier {tier}")
-                        at = _B + 2 * H
-                        if tier == DEVICE:  # the record carries no device slots
-                            slots[tier] = [-1] * n
+        lsn = 0
+        try:
+            for lsn, values in batches:
+                for value in values:
+                    kind = value[0]
+                    if kind == _DROP or kind == _MOVE:
+                        tier = value[1]
+                        node = get_run(value[_B:_B + 2 * H])  # usually the run is exactly one node
+                        if node is None:
+                            node = self.run(value[_B:_B + H], value[_B + H:_B + 2 * H], u32(value, 2)[0], lsn)
+                        n = node.num_blocks
+                        slots = node.slots
+                        if kind == _DROP:
+                            if slots[tier] is None:
+                                raise ReplayError(f"BLOCK_DROP lsn {lsn}: run not resident in tier {tier}")
+                            slots[tier] = None
+                            num_in[tier] -= n
+                            parent = node.parent
+                            parent.kids_in[tier] -= 1
+                            if slots[0] is None and slots[1] is None and slots[2] is None:
+                                if node.children:
+                                    raise ReplayError(f"BLOCK_DROP lsn {lsn}: a run resident nowhere keeps children")
+                                del parent.children[node.key]
+                                self.forget(node)
                         else:
-                            slots[tier] = list(_unpacker("I", n)(value, at))
-                            at += 4 * n
-                        num_in[tier] += n
-                        node.parent.kids_in[tier] += 1
-                        if len(value) > at + _CRC:  # new or changed checksums
-                            node.checksums = list(_unpacker("Q", n)(value, at))
-                elif kind == _PUT:
-                    self._put(lsn, u32(value, 2)[0], value[_B:-_CRC])
-                elif kind == _OPEN:
-                    seq_id, session_id = _OPEN_IDS(value, 1)
-                    self._open(seq_id, session_id, value[_OPEN_B:-_CRC])
-                elif kind == _RELEASE:
-                    seqs.pop(_U64(value, 1)[0], None)
-                elif kind == _COMMIT:
-                    seq = seqs.get(_U64(value, 1)[0])
-                    if seq is not None:
-                        tree.clock += 1
-                        seq[1] = self.ending_at(value[_COMMIT_B:-_CRC])
-                        seq[1].last_access = tree.clock
-                elif kind == _FORK:
-                    parent_id, first_child, num_children = _FORK_FIELDS(value, 1)
-                    self.max_seq_id = max(self.max_seq_id, first_child + num_children - 1)
-                    parent = seqs.get(parent_id)
-                    if parent is not None:
-                        for child in range(first_child, first_child + num_children):
-                            seqs[child] = list(parent)
-                elif kind == _RECOVER:
-                    reconcile(tree, keep_host=bool(value[5]), seqs=seqs, replayer=self)
-                # ATTACH, DETACH, EXTEND, COW, TOUCH: nothing that outlives a restart
-                lsn += 1
-                count += 1
-        self.records += count
+                            if slots[tier] is not None:
+                                raise ReplayError(f"BLOCK_MOVE lsn {lsn}: run already resident in tier {tier}")
+                            at = _B + 2 * H
+                            if tier == DEVICE:  # the record carries no device slots
+                                slots[tier] = [-1] * n
+                            else:
+                                slots[tier] = list(_unpacker("I", n)(value, at))
+                                at += 4 * n
+                            num_in[tier] += n
+                            node.parent.kids_in[tier] += 1
+                            if len(value) > at + _CRC:  # new or changed checksums
+                                node.checksums = list(_unpacker("Q", n)(value, at))
+                    elif kind == _PUT:
+                        self._put(lsn, u32(value, 2)[0], value[_B:-_CRC])
+                    elif kind == _OPEN:
+                        seq_id, session_id = _OPEN_IDS(value, 1)
+                        self._open(seq_id, session_id, value[_OPEN_B:-_CRC])
+                    elif kind == _RELEASE:
+                        seqs.pop(_U64(value, 1)[0], None)
+                    elif kind == _COMMIT:
+                        seq = seqs.get(_U64(value, 1)[0])
+                        if seq is not None:
+                            tree.clock += 1
+                            seq[1] = self.ending_at(value[_COMMIT_B:-_CRC])
+                            seq[1].last_access = tree.clock
+                    elif kind == _FORK:
+                        parent_id, first_child, num_children = _FORK_FIELDS(value, 1)
+                        self.max_seq_id = max(self.max_seq_id, first_child + num_children - 1)
+                        parent = seqs.get(parent_id)
+                        if parent is not None:
+                            for child in range(first_child, first_child + num_children):
+                                seqs[child] = list(parent)
+                    elif kind == _RECOVER:
+                        reconcile(tree, keep_host=bool(value[5]), seqs=seqs, replayer=self)
+                    # ATTACH, DETACH, EXTEND, COW, TOUCH: nothing that outlives a restart
+                    lsn += 1
+                    count += 1
+        except (struct.error, IndexError, ValueError) as exc:
+            # a record whose checksum holds but whose blob does not fit its kind: written by
+            # another layout (see RECORDS_VERSION) or a bug: recovery stops rather than guess
+            raise ReplayError(f"lsn {lsn}: record does not fit its kind's layout: {exc}") from None
+        finally:
+            self.records += count
 
     def _put(self, lsn: int, n: int, blob: bytes) -> None:
         tree, bb = self.tree, self.block_bytes

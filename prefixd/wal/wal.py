@@ -22,7 +22,7 @@ from prefixd.wal.errors import EnvAlreadyOpenError, WalClosedError, WalFailedErr
 from prefixd.wal.group import GroupCommitter, WalStats
 from prefixd.wal.lock import StateDirLock
 from prefixd.wal.meta import MetaInfo, open_meta
-from prefixd.wal.replay import last_lsn, replay, replay_batches
+from prefixd.wal.replay import last_lsn, prefetch, replay, replay_batches
 
 T = TypeVar("T")
 
@@ -230,6 +230,21 @@ class Wal:
             WalCorruptError: a bad record or an lsn gap, with the lsn.
         """
         return replay(self._env(), after_lsn)
+
+    def prefetch(self, after_lsn: int = 0) -> threading.Thread:
+        """Start a thread that reads the log after ``after_lsn`` into the page cache (see
+        ``prefixd.wal.replay.prefetch``); join it before closing the Wal."""
+        wenv = self._env()
+
+        def run() -> None:
+            try:
+                prefetch(wenv, after_lsn)
+            except Exception as exc:  # a hint only: replay reads (and checks) everything itself
+                log.debug("wal prefetch stopped: %r", exc)
+
+        thread = threading.Thread(target=run, name="prefixd-wal-prefetch", daemon=True)
+        thread.start()
+        return thread
 
     def replay_batches(self, after_lsn: int = 0) -> Iterator[tuple[int, list[bytes]]]:
         """``replay``, as ``(lsn of the first, raw verified values)`` batches (see

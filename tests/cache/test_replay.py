@@ -166,7 +166,7 @@ def test_a_state_dir_of_another_record_format_is_refused_untouched(tmp_path):
     dc.close()
     state = tmp_path / "state"
     before = sorted((p.name, p.stat().st_size) for p in state.rglob("*") if p.is_file())
-    with pytest.raises(StateFormatError, match="format 1, this build reads format 2"):
+    with pytest.raises(StateFormatError, match=f"format 1, this build reads format {ckpt.RECORDS_VERSION}"):
         _open(tmp_path)
     assert sorted((p.name, p.stat().st_size) for p in state.rglob("*") if p.is_file()) == before
     meta["records_version"] = ckpt.RECORDS_VERSION  # the same directory opens once it says 2
@@ -192,6 +192,9 @@ def test_a_record_naming_a_run_that_is_not_one_node_is_an_error(tmp_path):
         replayer.apply(Record(1, Kind.BLOCK_DROP, (DISK, a.num_blocks), a.hashes[0] + b.hashes[-1]))
     with pytest.raises(ReplayError, match="not in the index"):
         replayer.apply(Record(2, Kind.BLOCK_DROP, (DISK, 1), b"\x01" * 32))
+    with pytest.raises(ReplayError, match="does not fit its kind"):  # checksums cut short
+        replayer.apply(Record(3, Kind.BLOCK_MOVE, (DISK if a.slots[DISK] is None else HOST, a.num_blocks),
+                              a.hashes[0] + a.hashes[-1] + b"\x00" * (4 * a.num_blocks + 8)))
     tier = HOST if a.slots[HOST] is not None else DISK
     assert a.slots[tier] is not None
     with pytest.raises(ReplayError, match="already resident"):

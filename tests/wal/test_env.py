@@ -197,3 +197,19 @@ def test_replay_spans_batches(open_wal):
     wal.commit_now()
     got = [r.fields[0] for r in replay_mod.replay(wal._wenv, 0, batch=4)]
     assert got == list(range(25))
+
+
+def test_prefetch_touches_the_log_after_an_lsn_and_ends(state_dir, open_wal):
+    from prefixd.wal.replay import prefetch
+
+    wal = open_wal()
+    assert prefetch(wal._env(), 0) == 0  # an empty log
+    for i in range(100):
+        wal.append(Kind.DETACH, i)
+    wal.flush().result()
+    assert prefetch(wal._env(), 0, step=8) == 13  # lsns 1, 9, ..., 97
+    assert prefetch(wal._env(), 95, step=8) == 1
+    thread = wal.prefetch(0)
+    thread.join(10)
+    assert not thread.is_alive()
+    assert [r.lsn for r in wal.replay()] == list(range(1, 101))  # a hint: nothing changed
