@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from prefixd.cache import checkpoint as ckpt
-from prefixd.cache.errors import CacheError
+from prefixd.cache.errors import CacheError, IndexLostError
 from prefixd.cache.hashing import root_hash
 from prefixd.cache.node import DISK, HOST, path_to
 from prefixd.cache.prefix_cache import PrefixCache
@@ -135,6 +135,13 @@ def _from_checkpoint(self, lsn, index, seq_values, layout, sizes, tenant_salt, w
     first_start = not index
     name = f"prefixd-{wal.root_seed[:6].hex()}-{layout.digest()[:6].hex()}"
     meta = wal.meta
+    if first_start:
+        # a pool of another root seed: the log that named its blocks is gone (our own pool from
+        # a first start that crashed before its first checkpoint has our name, and is redone)
+        orphans = sorted(f for f in os.listdir(self.state_dir)
+                         if f.endswith(".disk.pool") and f != f"{name}.disk.pool")
+        if orphans:
+            raise IndexLostError(self.state_dir, orphans)
     host_path = os.path.join(shm_dir, f"{name}.host.pool")
     keep_host = (not first_start and meta.previous_boot_id == meta.boot_id
                  and os.path.exists(host_path))

@@ -24,7 +24,7 @@ from typing import TypeVar
 import lmdb
 
 from prefixd.wal.datafile import check_data_file
-from prefixd.wal.errors import EnvAlreadyOpenError, ForkedEnvError, WalError
+from prefixd.wal.errors import EnvAlreadyOpenError, ForkedEnvError, WalCorruptError, WalError
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,11 @@ def is_open_here(state_dir: str) -> bool:
     """Whether this process has the environment of ``state_dir`` open."""
     with _registry_lock:
         return os.path.realpath(state_dir) in _registry
+
+
+# LMDB's errors for a page that does not hold what the B-tree expects (a zeroed or overwritten
+# page): the file is damaged, which is what WalCorruptError says.
+_DAMAGED = (lmdb.CorruptedError, lmdb.PageNotFoundError)
 
 
 class _ReaderGate:
@@ -165,7 +170,8 @@ class WalEnv:
         ``MapFullError``. ``fn`` must be safe to rerun from scratch (it is, when it only puts).
 
         Raises:
-            WalError: the map would exceed ``max_map_size``. lmdb.Error: any other LMDB failure
+            WalError: the map would exceed ``max_map_size``. WalCorruptError: LMDB found a damaged
+            page. lmdb.Error: any other LMDB failure
             (including a failed fsync inside commit when the env syncs on commit).
         """
         self.check_usable()
@@ -178,6 +184,9 @@ class WalEnv:
             except lmdb.MapFullError:
                 txn.abort()
                 self._grow()
+            except _DAMAGED as exc:
+                txn.abort()
+                raise WalCorruptError(-1, f"LMDB found a damaged page while writing: {exc}", self.state_dir) from exc
             except BaseException:
                 txn.abort()
                 raise
@@ -191,6 +200,8 @@ class WalEnv:
         try:
             with self.env.begin(buffers=buffers) as txn:
                 return fn(txn)
+        except _DAMAGED as exc:  # LMDB's own checks of a page: a typed error, like ours
+            raise WalCorruptError(-1, f"LMDB found a damaged page while reading: {exc}", self.state_dir) from exc
         finally:
             self._gate.leave()
 

@@ -20,7 +20,8 @@ class WalCorruptError(WalError):
     a record silently; it raises this with the lsn of the first bad record.
 
     Attributes:
-        lsn: log sequence number of the bad record (for a checkpoint: the checkpoint lsn).
+        lsn: log sequence number of the bad record (for a checkpoint: the checkpoint lsn);
+            -1 when LMDB itself found a damaged page and no record can be named.
         reason: what failed, in words.
     """
 
@@ -29,7 +30,8 @@ class WalCorruptError(WalError):
         self.reason = reason
         self.path = path
         where = f" in {path}" if path else ""
-        super().__init__(f"corrupt write-ahead log at lsn {lsn}{where}: {reason}")
+        at = f"at lsn {lsn}" if lsn >= 0 else "(a damaged LMDB page)"
+        super().__init__(f"corrupt write-ahead log {at}{where}: {reason}")
 
 
 class WalFailedError(WalError):

@@ -259,3 +259,27 @@ def test_power_durability_without_a_disk_tier_says_so(make):
     dc.commit(seq.id, "crash")  # the host tier serves crash durability
     dc.release(seq.id)
     dc.check_invariants()
+
+
+def test_a_disk_pool_without_its_index_is_refused_but_our_own_half_start_is_redone(make, tmp_path):
+    """Guards against a lost data.mdb silently starting a new cache beside the old disk pool
+    (unseen, never freed), and against refusing a first start that crashed before its first
+    checkpoint (its pool has this directory's own name)."""
+    from prefixd.cache.errors import IndexLostError
+    from prefixd.wal import Wal
+
+    state = tmp_path / "state"
+    wal = Wal(str(state), layouts=LAYOUT.to_bytes())  # a first start that got this far
+    own = f"prefixd-{wal.root_seed[:6].hex()}-{LAYOUT.digest()[:6].hex()}.disk.pool"
+    wal.close()
+    (state / own).write_bytes(b"half-made pool")
+    dc = make()  # redone: our own name
+    _serve(dc, [1, 2, 3, 4, 5], durability="power")
+    dc.close()
+    other = state / "prefixd-000000000000-111111111111.disk.pool"
+    other.write_bytes(b"x" * 4096)
+    for f in (state / "wal").iterdir():  # the index is lost
+        f.unlink()
+    with pytest.raises(IndexLostError, match="prefixd-000000000000-111111111111.disk.pool"):
+        make()
+    assert other.read_bytes() == b"x" * 4096

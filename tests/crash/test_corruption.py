@@ -358,18 +358,19 @@ LMDB_TABLE = [
     LmdbDamage("flip bits in a checkpoint chunk", lmdb_flip_bits_in_records, True,
                "prefixd.wal.errors.WalCorruptError", r"checkpoint key .* checksum mismatch"),
     LmdbDamage("zero the page of a log record", lmdb_zero_record_pages, False,
-               "lmdb.CorruptedError", "MDB_CORRUPTED"),
+               "prefixd.wal.errors.WalCorruptError", r"damaged LMDB page.*MDB_CORRUPTED"),
     LmdbDamage("zero the page of a checkpoint chunk", lmdb_zero_record_pages, True,
-               "lmdb.CorruptedError", "MDB_CORRUPTED"),
+               "prefixd.wal.errors.WalCorruptError", r"damaged LMDB page.*MDB_CORRUPTED"),
     LmdbDamage("truncate past the meta pages", lmdb_truncate_past_the_meta_pages, False,
                "prefixd.wal.errors.WalCorruptError", r"data\.mdb is \d+ bytes"),
     LmdbDamage("truncate past the meta pages, checkpointed", lmdb_truncate_past_the_meta_pages, True,
                "prefixd.wal.errors.WalCorruptError", r"data\.mdb is \d+ bytes"),
     LmdbDamage("truncate inside the meta pages", lmdb_truncate_inside_the_meta_pages, False,
                "prefixd.wal.errors.WalCorruptError", r"data\.mdb is 4096 bytes"),
-    # An empty data.mdb is what LMDB creates: the state directory starts over (new root seed, so
-    # a new disk pool name); nothing is served, so nothing wrong is served.
-    LmdbDamage("truncate to zero", lmdb_truncate_to_zero, False, "ok"),
+    # An empty data.mdb is what LMDB creates for a new directory: starting a new cache there
+    # would leave the old disk pool unseen on disk, so recovery refuses and says what to do.
+    LmdbDamage("truncate to zero", lmdb_truncate_to_zero, False,
+               "prefixd.cache.errors.IndexLostError", r"has disk pool\(s\) prefixd-.*\.disk\.pool but no index"),
 ]
 
 
