@@ -15,8 +15,8 @@ found from its first and last hash (all a move or drop record names); residency 
 skip the eviction queues (``rebuild_queues`` replaces them after recovery); the hash map is
 built on first use. After a checkpoint it holds only the first and last hash of each
 checkpoint run (a 1M-block map cost a quarter of a second to build): a record naming a block
-inside such a run, which is rare (a match ending inside a run), finds it in the checkpoint's
-flat hash column instead.
+inside such a run, which is rare (a match ending inside a run), finds it by a numpy compare
+over the checkpoint's hashes instead.
 """
 
 from __future__ import annotations
