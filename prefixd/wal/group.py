@@ -14,13 +14,8 @@ Invariants (under ``_cv``):
 - lsns are assigned in append order, so ``pending`` keys ascend and are all > ``taken_lsn``;
   ``durable_lsn <= committed_lsn <= taken_lsn < next_lsn`` and ``pending`` holds exactly
   ``taken_lsn + 1 .. next_lsn - 1``.
-- ``waiters`` holds (lsn, Future) with ascending lsns, all > ``committed_lsn``; a Future
-  resolves with lsn L only when every record <= L is durable per the sync policy.
-
-NOTE: a flush Future belongs to an lsn, not to a group: with a producer ahead of the disk, the
-pending records are cut into groups of ``max_group_records`` and a Future shared by everything
-pending would resolve only with the last of them, holding its waiter one group too long (the
-WAL bench lost a third of its throughput to that idle pipeline).
+- A flush ticket (``prefixd.wal.tickets``) resolves with lsn L only when every record <= L is
+  durable per the sync policy.
 - Once ``failure`` is set it never clears: every open and future ticket fails with
   :class:`WalFailedError`, ``append`` raises it, and the committer has exited.
 
@@ -37,7 +32,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from concurrent.futures import Future
 from typing import Callable, NamedTuple
 
@@ -45,6 +39,7 @@ from prefixd.faults import crash_point
 from prefixd.wal.codec import encode, pack_key
 from prefixd.wal.env import WalEnv, _pid
 from prefixd.wal.errors import WalClosedError, WalError, WalFailedError
+from prefixd.wal.tickets import Tickets
 
 log = logging.getLogger(__name__)
 
@@ -109,14 +104,13 @@ class GroupCommitter:
         self._cv = threading.Condition(self._lock)
         # --- guarded by _cv ---
         self._pending: list[tuple[bytes, bytes]] = []
-        self._waiters: deque[tuple[int, Future]] = deque()  # flush tickets by lsn, ascending
+        self._tickets = Tickets()
         self._first_append_t = 0.0
         self._flush_wanted = False  # a waiter's lsn is still pending: commit without delay
         self._next_lsn = next_lsn
         self._taken_lsn = next_lsn - 1  # the last lsn the committer took
         self._committed_lsn = next_lsn - 1
         self._durable_lsn = next_lsn - 1
-        self._unsynced: list[Future] = []  # interval: tickets committed, awaiting the next fsync
         self._jobs: list[tuple[Callable[[], object], Future, int]] = []  # (job, future, after lsn)
         self._failure: WalFailedError | None = None
         self._closing = False
@@ -170,14 +164,7 @@ class GroupCommitter:
             last = self._next_lsn - 1
             if last <= self._durable_lsn:
                 return _done(self._durable_lsn)
-            waiters = self._waiters
-            if waiters and waiters[-1][0] == last:
-                return waiters[-1][1]
-            fut: Future = Future()
-            if last <= self._committed_lsn:  # interval: committed, resolved by the next fsync
-                self._unsynced.append(fut)
-                return fut
-            waiters.append((last, fut))
+            fut = self._tickets.ticket(last, self._committed_lsn)
             if last > self._taken_lsn and not self._flush_wanted:
                 self._flush_wanted = True
                 self._cv.notify_all()
@@ -253,8 +240,7 @@ class GroupCommitter:
         else:
             group, self._pending = pending, []
         last = self._taken_lsn = self._next_lsn - 1 - len(self._pending)
-        waiters = self._waiters
-        self._flush_wanted = bool(waiters) and waiters[-1][0] > last
+        self._flush_wanted = self._tickets.wanted_beyond(last)
         # A job runs once every record appended before it was submitted is in this group or an
         # earlier one; records appended after it never hold it back (a busy appender would
         # otherwise starve a checkpoint forever).
@@ -320,11 +306,8 @@ class GroupCommitter:
         self._groups_since_reader_check += 1
         with self._cv:
             self._committed_lsn = last
-            waiters, done = self._waiters, []
-            while waiters and waiters[0][0] <= last:
-                done.append(waiters.popleft()[1])
+            done = self._tickets.committed(last, synced=self._sync != "interval")
             if self._sync == "interval":
-                self._unsynced += done
                 return
             self._durable_lsn = last
         if self._sync == "commit":
@@ -336,13 +319,13 @@ class GroupCommitter:
         """fsync the environment and resolve every committed-but-unsynced ticket (committer
         thread only). Returns the durable lsn."""
         with self._cv:
-            waiting, self._unsynced = self._unsynced, []
+            waiting = self._tickets.take_unsynced()
             last = self._committed_lsn
         try:
             self._wenv.sync()
         except BaseException:
             with self._cv:  # the caller poisons the log, which fails every ticket it holds
-                self._unsynced = waiting + self._unsynced
+                self._tickets.give_back(waiting)
             raise
         self._last_sync_t = time.monotonic()
         self._n_syncs += 1
@@ -377,10 +360,9 @@ class GroupCommitter:
         log.error("wal poisoned path=%s error=%r", self._wenv.state_dir, exc)
         with self._cv:
             self._failure = failure
-            futures = [f for _, f in self._waiters]
-            futures += self._unsynced + [entry[1] for entry in self._jobs] + [f for _, f in jobs]
-            self._pending, self._waiters = [], deque()
-            self._unsynced, self._jobs = [], []
+            futures = self._tickets.take_all()
+            futures += [entry[1] for entry in self._jobs] + [f for _, f in jobs]
+            self._pending, self._jobs = [], []
             self._cv.notify_all()  # producers waiting on the backlog limit see the failure
         for fut in futures:
             if not fut.done():
@@ -404,12 +386,10 @@ class GroupCommitter:
     def check_invariants(self) -> None:
         with self._cv:
             assert self._durable_lsn <= self._committed_lsn <= self._taken_lsn < self._next_lsn, "lsn order broken"
-            lsns = [lsn for lsn, _ in self._waiters]
-            assert lsns == sorted(set(lsns)), "flush waiters out of order"
-            assert not lsns or lsns[0] > self._committed_lsn, "a committed lsn still has waiters"
+            self._tickets.check(self._committed_lsn)
             keys = [k for k, _ in self._pending]
             assert keys == sorted(keys), "pending keys out of order"
             if keys:
                 assert keys[-1] == pack_key(self._next_lsn - 1), "pending does not end at next_lsn - 1"
             if self._failure is not None:
-                assert not self._pending and not self._unsynced and not self._waiters, "a poisoned log holds records"
+                assert not self._pending and not self._tickets, "a poisoned log holds records"
