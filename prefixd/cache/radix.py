@@ -106,7 +106,7 @@ class RadixTree:
     # -- insertion -----------------------------------------------------------------------
 
     def insert(self, node: Node, tokens: bytes, slots: list[int],
-               adopted: list[Node] | None = None) -> tuple[Node, list[int], Node | None]:
+               adopted: list[Node]) -> tuple[Node, list[int], Node | None]:
         """Index full blocks ``tokens`` (device-resident at ``slots``) below ``node``.
 
         Blocks already in the tree are not stored twice: where the tree has them on device the
@@ -135,8 +135,7 @@ class RadixTree:
             first = pos // bb
             if child.slots[DEVICE] is None:
                 self.set_residency(child, DEVICE, slots[first:first + k])
-                if adopted is not None:
-                    adopted.append(child)
+                adopted.append(child)
             if tree_slots is None:
                 tree_slots = slots[:first]
             tree_slots += child.slots[DEVICE]

@@ -45,12 +45,6 @@ class SlotAllocator:
         self._fresh = 0  # slots [_fresh, num_slots) were never handed out
         self._deferred: list[int] = []
 
-    def _materialize(self) -> None:
-        """Put the never-used slots into ``_free`` (at the bottom), for the rare whole-list paths."""
-        if self._fresh < self.num_slots:
-            self._free[:0] = range(self.num_slots - 1, self._fresh - 1, -1)
-            self._fresh = self.num_slots
-
     @property
     def num_free(self) -> int:
         return len(self._free) + self.num_slots - self._fresh
@@ -122,22 +116,16 @@ class SlotAllocator:
             raise ValueError(f"slots out of range [0, {self.num_slots}): {sorted(bad.tolist())[:8]}")
         if np.bincount(wanted, minlength=self.num_slots).max() > 1:
             raise ValueError("a slot to take is given twice")
-        if not self._deferred and not self._free and not self._fresh:
-            # a fresh allocator (recovery): the rest stay free, in the order a fresh allocator
-            # hands them out, without a pass over a list of every slot
-            is_free = np.ones(self.num_slots, dtype=bool)
-            is_free[wanted] = False
-            self._free = np.flatnonzero(is_free)[::-1].tolist()
-            self._fresh = self.num_slots
-            return
-        self._materialize()
-        free = np.asarray(self._free, dtype=np.int64)
+        # the stack, bottom to top: never-used slots (highest first), then the freed ones
+        stack = np.concatenate([np.arange(self.num_slots - 1, self._fresh - 1, -1, dtype=np.int64),
+                                np.asarray(self._free, dtype=np.int64)])
         is_free = np.zeros(self.num_slots, dtype=bool)
-        is_free[free] = True
+        is_free[stack] = True
         if not is_free[wanted].all():
             raise ValueError("some slots to take are not free")
         is_free[wanted] = False
-        self._free = free[is_free[free]].tolist()
+        self._free = stack[is_free[stack]].tolist()  # the rest keep their order
+        self._fresh = self.num_slots
 
     def used_slots(self) -> set[int]:
         return set(range(self._fresh)) - set(self._free) - set(self._deferred)
