@@ -118,6 +118,35 @@ def test_a_restart_rebuilds_the_live_index_without_the_device(tmp_path, seed):
     dc.check_invariants()
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_restarts_in_the_tail_replay_as_they_happened(tmp_path, seed):
+    """A tail holding several restarts (RECOVER records), some after a reboot (the host pool
+    gone): replaying each restart's reconciliation must rebuild the index the last process
+    had, with sequences left open across restarts."""
+    rng = random.Random(1000 + seed)
+    dc = _open(tmp_path, checkpoint_records=10**9)
+    for restart in range(4):
+        _traffic(dc, rng, 60, checkpoints=bool(seed % 2) and restart == 1)
+        dc.close()
+        if rng.random() < 0.4:  # as after a reboot: the host pool is gone
+            for name in os.listdir(tmp_path / "shm"):
+                if name.endswith(".host.pool"):
+                    os.unlink(tmp_path / "shm" / name)
+        dc = _open(tmp_path, checkpoint_records=10**9)
+    _traffic(dc, rng, 60, checkpoints=False)
+    dc.wal.flush().result()
+    want = _survivors(dc.cache.tree)
+    dc.close()
+    assert want, "the traffic left nothing on host or disk: the check would be empty"
+
+    dc = _open(tmp_path)
+    got = _survivors(dc.cache.tree)
+    assert got.keys() == want.keys(), "runs differ after replaying the restarts"
+    for key, value in want.items():
+        assert got[key] == value, f"run {key[0].hex()}..: {got[key]} != {value}"
+    dc.check_invariants()
+
+
 def test_eviction_order_is_the_same_after_replay(tmp_path):
     """The log tail (not only the checkpoint) restores last access: reopened prefixes move back."""
     rng = random.Random(99)
