@@ -102,10 +102,12 @@ def _column(value, dtype: str) -> list:
     return out
 
 
-def _lo64(value) -> np.ndarray:
-    """The first 8 bytes of every 16-byte hash in a hashes column (whole or as chunks), u64."""
-    chunks = [value] if isinstance(value, (bytes, bytearray, memoryview)) else value
-    return np.concatenate([np.frombuffer(c, "<u8")[0::2] for c in chunks] or [np.zeros(0, "<u8")])
+def _array(value, dtype: str) -> np.ndarray:
+    """A numpy column as one array that outlives the read transaction (chunks are copied once)."""
+    if isinstance(value, (bytes, bytearray)):
+        return np.frombuffer(value, dtype)
+    chunks = [value] if isinstance(value, memoryview) else value
+    return np.concatenate([np.frombuffer(c, dtype) for c in chunks] or [np.zeros(0, dtype)])
 
 
 class _Slices:
@@ -139,16 +141,19 @@ def check_format(index: dict, state_dir: str) -> None:
         raise StateFormatError(state_dir, saved, RECORDS_VERSION)
 
 
-def load(tree, index: dict, block_bytes: int) -> tuple[dict, list[Node], list[bytes], np.ndarray]:
+def load(tree, index: dict, block_bytes: int) -> tuple[dict, list[Node], np.ndarray]:
     """Rebuild ``tree`` (empty) from checkpoint values, each whole or as its chunk list;
-    returns ``(meta, nodes in file order, every block hash in file order, the first 8 bytes
-    of each of those hashes as one u64 array)``: replay searches the array for a block named
-    inside a checkpoint run (joining a million hashes later cost 70 ms).
+    returns ``(meta, nodes in file order, every block hash in file order)``, the hashes as a
+    ``V16`` array: replay searches it for a block named inside a checkpoint run.
 
     Residency is set directly (the caller rebuilds queues and allocators after replay).
+
+    NOTE: per-block columns stay numpy arrays and each node's lists are made from its own
+    slice: slicing million-item Python lists touched every item's refcount a second time,
+    scattered over memory (0.1 s of a 1M-block load).
     """
     if not index:
-        return {}, [], [], np.zeros(0, "<u8")
+        return {}, [], np.zeros(0, "V16")
     meta = msgpack.unpackb(whole(index[b"meta"]))
     tree.clock = meta["clock"]
     roots = []
@@ -162,13 +167,12 @@ def load(tree, index: dict, block_bytes: int) -> tuple[dict, list[Node], list[by
     prio = _column(index[b"nodes.priority"], "<i4")
     flags = _column(index[b"nodes.flags"], "u1")
     tokens = _Slices(index[b"blocks.tokens"])
-    host = _column(index[b"blocks.host"], "<u4")
-    disk = _column(index[b"blocks.disk"], "<u4")
-    sums = _column(index[b"blocks.sums"], "<u8")
+    host = _array(index[b"blocks.host"], "<u4")
+    disk = _array(index[b"blocks.disk"], "<u4")
+    sums = _array(index[b"blocks.sums"], "<u8")
     at_host = at_disk = at_sums = 0
     # V16 (not S16: that would strip trailing zero bytes) turns into bytes objects in C
-    hashes = _column(index[b"blocks.hashes"], "V16")
-    hash_lo = _lo64(index[b"blocks.hashes"])
+    hashes = _array(index[b"blocks.hashes"], "V16")
     nodes: list[Node] = []
     counts = tree.num_blocks_in
     enabled = gc.isenabled()
@@ -188,20 +192,20 @@ def load(tree, index: dict, block_bytes: int) -> tuple[dict, list[Node], list[by
                     kids[0] += 1
                     counts[0] += n
                 if f & 2:
-                    slots[1] = host[at_host:at_host + n]
+                    slots[1] = host[at_host:at_host + n].tolist()
                     at_host += n
                     kids[1] += 1
                     counts[1] += n
                 if f & 4:
-                    slots[2] = disk[at_disk:at_disk + n]
+                    slots[2] = disk[at_disk:at_disk + n].tolist()
                     at_disk += n
                     kids[2] += 1
                     counts[2] += n
-            node = Node(parent, toks[:block_bytes], toks, n, hashes[a:b], slots, last[i])
+            node = Node(parent, toks[:block_bytes], toks, n, hashes[a:b].tolist(), slots, last[i])
             node.hit_count = hits[i]
             node.priority = prio[i]
             if f & 8:
-                node.checksums = sums[at_sums:at_sums + n]
+                node.checksums = sums[at_sums:at_sums + n].tolist()
                 at_sums += n
             parent.children[node.key] = node
             nodes.append(node)
@@ -211,4 +215,4 @@ def load(tree, index: dict, block_bytes: int) -> tuple[dict, list[Node], list[by
     if (at_host, at_disk, at_sums) != (len(host), len(disk), len(sums)):
         raise ValueError(f"checkpoint columns disagree with node flags: used {at_host}/{len(host)} host, "
                          f"{at_disk}/{len(disk)} disk slots and {at_sums}/{len(sums)} checksums")
-    return meta, nodes, hashes, hash_lo
+    return meta, nodes, hashes

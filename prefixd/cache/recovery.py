@@ -55,7 +55,7 @@ def recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify,
     try:
         # NOTE: the checkpoint is read inside one read transaction, straight from the map: a
         # 1M-block checkpoint is ~90 MB, and joining its chunks first cost a copy of all of it.
-        lsn, first_start, keep_host, ckpt_meta, ckpt_nodes, ckpt_hashes, ckpt_lo, seqs = wal.with_checkpoint(
+        lsn, first_start, keep_host, ckpt_meta, ckpt_nodes, ckpt_hashes, seqs = wal.with_checkpoint(
             lambda lsn, index, seq_values: _from_checkpoint(
                 self, lsn, index, seq_values, layout, sizes, tenant_salt, write_policy, policy,
                 shm_dir, use_cuda))
@@ -65,7 +65,7 @@ def recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify,
         phases["checkpoint_load_s"] = t2 - t
         replayer = Replayer(tree, seqs, cache.block_bytes)
         if ckpt_nodes:
-            replayer.use_checkpoint(ckpt_nodes, ckpt_hashes, ckpt_lo)
+            replayer.use_checkpoint(ckpt_nodes, ckpt_hashes)
         for seq in seqs.values():  # checkpointed sequences name their node by hash
             if isinstance(seq[1], bytes):
                 seq[1] = replayer.ending_at(seq[1])
@@ -161,13 +161,13 @@ def _from_checkpoint(self, lsn, index, seq_values, layout, sizes, tenant_salt, w
     self.cache = cache = PrefixCache(sizes, layout.block_size, root_hash=root, policy=policy,
                                      data=self.store, write_policy=write_policy)
     tree = cache.tree
-    ckpt_meta, ckpt_nodes, ckpt_hashes, ckpt_lo = ckpt.load(tree, index, cache.block_bytes)
+    ckpt_meta, ckpt_nodes, ckpt_hashes = ckpt.load(tree, index, cache.block_bytes)
     seqs: dict = {}
     if seq_values:
         for seq_id, session_id, deepest, extra in msgpack.unpackb(ckpt.whole(seq_values[b"seqs"])):
             root_node = tree.root(extra)
             seqs[seq_id] = [session_id, root_node if deepest == ZERO_HASH else deepest, extra]
-    return lsn, first_start, keep_host, ckpt_meta, ckpt_nodes, ckpt_hashes, ckpt_lo, seqs
+    return lsn, first_start, keep_host, ckpt_meta, ckpt_nodes, ckpt_hashes, seqs
 
 
 def verify_disk(self) -> int:

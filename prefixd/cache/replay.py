@@ -110,12 +110,11 @@ class Replayer:
         # (nodes, every block hash, first 8 bytes of each as u64, first block of each node)
         self._ckpt: tuple | None = None
 
-    def use_checkpoint(self, nodes: list[Node], hashes: list[bytes], hash_lo: np.ndarray) -> None:
+    def use_checkpoint(self, nodes: list[Node], hashes: np.ndarray) -> None:
         """Index the checkpoint's runs by their first and last hash only; any other block of
-        theirs is found in ``hashes`` (every checkpoint block's hash, in node order; ``hash_lo``
-        their first 8 bytes as u64) when a record names it. Call before the first record."""
-        if len(hash_lo) != len(hashes):
-            raise ValueError(f"{len(hash_lo)} hash prefixes for {len(hashes)} hashes")
+        theirs is found in ``hashes`` (every checkpoint block's hash, in node order, as a
+        contiguous ``V16`` array) when a record names it. Call before the first record."""
+        hash_lo = hashes.view("<u8")[0::2].copy()  # first 8 bytes of each, searched first
         starts, total = [], 0
         for node in nodes:
             starts.append(total)
@@ -168,7 +167,7 @@ class Replayer:
             return None
         nodes, hashes, hash_lo, starts = self._ckpt
         for i in np.flatnonzero(hash_lo == int.from_bytes(h[:8], "little")).tolist():
-            if hashes[i] == h:
+            if hashes[i].tobytes() == h:
                 break
         else:
             return None
