@@ -21,7 +21,7 @@ from prefixd.cache.errors import CacheError, IndexLostError
 from prefixd.cache.hashing import root_hash
 from prefixd.cache.node import DISK, HOST, path_to
 from prefixd.cache.prefix_cache import PrefixCache
-from prefixd.cache.replay import ZERO_HASH, Replayer, reconcile
+from prefixd.cache.replay import ZERO_HASH, Replayer
 from prefixd.storage.tiers import Tier, TierStore
 from prefixd.wal import Kind
 
@@ -76,9 +76,8 @@ def recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify,
     t3 = time.perf_counter()
     phases["replay_s"] = t3 - t2
     phases["records_replayed"] = replayer.records
-    # one walk of the tree serves reconciliation, the allocators and the queues
-    order = list(tree.nodes())
-    reconcile(tree, keep_host=keep_host, seqs=seqs, order=order)
+    replayer.restart(keep_host)  # the end of the log: what this restart drops, as a RECOVER does
+    order = list(tree.nodes())  # one walk serves the allocators and the queues
     slot_lists = [n.slots for n in order]
     for tier in (HOST, DISK):
         used = np.fromiter(chain.from_iterable([s[tier] for s in slot_lists if s[tier] is not None]),
