@@ -12,7 +12,7 @@ then a FRESH Python process opens the state directory: it stamps the time on its
 imports ``prefixd``, and constructs ``DurableCache`` (the constructor is recovery); its
 ``recovery`` phases come back as JSON. Done with ``verify="lazy"`` and ``"eager"``.
 
-``recovery.<n>.ready_s`` is the median of ``--repeats`` (3) such recoveries with lazy verify
+``recovery.<n>.ready_s`` is the median of ``--repeats`` (5) such recoveries with lazy verify
 (all of them in ``lazy_ready_s_runs``; eager verify runs once): the constructor's own clock
 (open -> ready), split into ``open_s``,
 ``checkpoint_load_s``, ``replay_s``, ``reconcile_s`` (+ the RECOVER record). Interpreter
@@ -231,7 +231,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
     ap.add_argument("--sizes", default="10000,100000,1000000")
     ap.add_argument("--tail", type=int, default=100_000, help="log records after the checkpoint")
-    ap.add_argument("--repeats", type=int, default=3, help="cold lazy recoveries per size (median reported)")
+    ap.add_argument("--repeats", type=int, default=5, help="cold lazy recoveries per size (median reported)")
     ap.add_argument("--wal-reps", type=int, default=7)
     ap.add_argument("--wal-records", type=int, default=19_200)
     ap.add_argument("--dir", default=None, help="where state directories are built (default: a temp dir)")
