@@ -21,9 +21,10 @@ from prefixd.cache import checkpoint as ckpt
 from prefixd.cache.durable import DurabilityError, DurableCache
 from prefixd.cache.errors import OutOfBlocks, StateFormatError
 from prefixd.cache.node import DEVICE, DISK, HOST
+from prefixd.cache.prefix_cache import PrefixCache
 from prefixd.cache.replay import ReplayError, Replayer
 from prefixd.wal import Kind, Record, Wal
-from tests.cache.helpers import tiny_layout
+from tests.cache.helpers import tiny_layout, toks
 
 BS = 2
 LAYOUT = tiny_layout(BS)
@@ -230,3 +231,29 @@ def test_a_record_naming_a_run_that_is_not_one_node_is_an_error(tmp_path):
         replayer.apply(Record(3, Kind.BLOCK_MOVE, (tier, a.num_blocks),
                               a.hashes[0] + a.hashes[-1] + b"\x00" * 4 * a.num_blocks))
     dc.close()
+
+
+def test_a_restart_forgets_device_only_runs_deepest_first():
+    """Device-only runs under a device-only run: the children go first (a parent resident
+    nowhere with children trips the tree's invariant); a run also on disk stays, off the device."""
+    import numpy as np
+
+    cache = PrefixCache((32, 16, 64), 4, write_policy="write_back")  # commits stay on the device
+    for prompt in ((1, 2, 3, 4, 5, 6, 7, 8, 9), (1, 2, 3, 4, 13, 14, 15, 16, 17), (50, 51, 52, 53, 54)):
+        seq = cache.open(toks(*prompt))
+        cache.commit(seq.id)
+        cache.release(seq.id)
+    tree = cache.tree
+    nodes = list(tree.nodes())
+    shared = next(n for n in nodes if n.children)
+    kept = next(n for n in nodes if n.tokens[:4] == toks(50)[:4])
+    assert len(shared.children) == 2 and tree.num_blocks_in == [4, 0, 0]
+    kept.slots[DISK] = list(range(kept.num_blocks))  # as if written down (slots by hand)
+    tree.num_blocks_in[DISK] += kept.num_blocks
+    kept.parent.kids_in[DISK] += 1
+    replayer = Replayer(tree, {}, cache.block_bytes)
+    # as from a checkpoint: parents listed first, the order a restart must not drop in
+    replayer.use_checkpoint(nodes, np.frombuffer(b"".join(h for n in nodes for h in n.hashes), "V16"))
+    replayer.restart(keep_host=True)
+    assert tree.num_blocks_in[DEVICE] == 0
+    assert list(tree.nodes()) == [kept] and kept.slots[DEVICE] is None and kept.slots[DISK] is not None
