@@ -334,3 +334,4 @@ class DurableCache:
     def check_invariants(self) -> None:
         self.cache.check_invariants([r.node for r in self.recovered.values()])
         self.wal.check_invariants()
+        assert self.recovery["device_runs_missed"] == 0, "replay missed device runs (see Replayer.restart)"

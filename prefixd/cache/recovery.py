@@ -77,6 +77,7 @@ def recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify,
     phases["replay_s"] = t3 - t2
     phases["records_replayed"] = replayer.records
     replayer.restart(keep_host)  # the end of the log: what this restart drops, as a RECOVER does
+    phases["device_runs_missed"] = replayer.device_runs_missed  # a bug if not 0: see Replayer.restart
     order = list(tree.nodes())  # one walk serves the allocators and the queues
     slot_lists = [n.slots for n in order]
     for tier in (HOST, DISK):

@@ -134,6 +134,7 @@ def test_restarts_in_the_tail_replay_as_they_happened(tmp_path, seed):
                 if name.endswith(".host.pool"):
                     os.unlink(tmp_path / "shm" / name)
         dc = _open(tmp_path, checkpoint_records=10**9)
+        assert dc.recovery["device_runs_missed"] == 0
     _traffic(dc, rng, 60, checkpoints=False)
     dc.wal.flush().result()
     want = _survivors(dc.cache.tree)
@@ -255,5 +256,5 @@ def test_a_restart_forgets_device_only_runs_deepest_first():
     # as from a checkpoint: parents listed first, the order a restart must not drop in
     replayer.use_checkpoint(nodes, np.frombuffer(b"".join(h for n in nodes for h in n.hashes), "V16"))
     replayer.restart(keep_host=True)
-    assert tree.num_blocks_in[DEVICE] == 0
+    assert tree.num_blocks_in[DEVICE] == 0 and replayer.device_runs_missed == 0
     assert list(tree.nodes()) == [kept] and kept.slots[DEVICE] is None and kept.slots[DISK] is not None
