@@ -5,9 +5,8 @@ record names a block inside it (every live split was caused by a logged operatio
 reproduces it). Sequences are tracked as ``[session_id, deepest node, extra]``: their private
 blocks never survive, so EXTEND and COW records carry nothing replay needs.
 
-Reconciliation (at a RECOVER record, and at the end of the log): device residency is dropped;
-host residency too unless the host pool survived (same boot); runs resident nowhere are
-forgotten. Eviction queues and allocators are rebuilt by the caller afterwards.
+At a RECOVER record (and at the end of the log) it reconciles as that restart did
+(``prefixd.cache.reconcile``).
 
 NOTE: replay runs once per record of a log tail (100k records name millions of blocks), so it
 touches blocks only where a record brings new per-block data (BLOCK_PUT, BLOCK_MOVE): a run is
@@ -28,8 +27,8 @@ from itertools import chain, repeat
 
 import numpy as np
 
-from prefixd.cache.hashing import namespace_hash
-from prefixd.cache.node import DEVICE, HOST, Node, split
+from prefixd.cache.node import DEVICE, Node, split
+from prefixd.cache.reconcile import reconcile, set_residency, shallow_first
 from prefixd.wal.codec import CRC_SIZE, encode
 from prefixd.wal.records import CODECS, Kind
 
@@ -69,27 +68,6 @@ class ReplayError(Exception):
     """A record does not fit the state replay reached: the log and checkpoint disagree."""
 
 
-def set_residency(tree, node: Node, tier: int, slots: list[int]) -> None:
-    """``RadixTree.set_residency`` without the eviction queues (rebuilt after recovery)."""
-    node.slots[tier] = slots
-    tree.num_blocks_in[tier] += node.num_blocks
-    node.parent.kids_in[tier] += 1
-
-
-def drop_residency(tree, node: Node, tier: int) -> bool:
-    """``RadixTree.drop_residency`` without the eviction queues; returns ``forgotten``."""
-    node.slots[tier] = None
-    tree.num_blocks_in[tier] -= node.num_blocks
-    parent = node.parent
-    parent.kids_in[tier] -= 1
-    slots = node.slots
-    if slots[0] is None and slots[1] is None and slots[2] is None:
-        assert not node.children, "a node resident nowhere still has children"
-        del parent.children[node.key]
-        return True
-    return False
-
-
 class Replayer:
     """Applies records to ``tree`` (already holding the checkpoint).
 
@@ -97,6 +75,8 @@ class Replayer:
         where: block hash -> node holding it (roots under their namespace hash); built on the
             first record that names a block.
         seqs: seq_id -> ``[session_id, node, extra]`` for sequences not yet released.
+        device_runs: every node given device residency since the last restart, appended as it
+            happens (duplicates and nodes since dropped included; ``restart`` filters them).
     """
 
     def __init__(self, tree, seqs: dict, block_bytes: int) -> None:
@@ -106,8 +86,6 @@ class Replayer:
         self.where: dict[bytes, Node] | None = None
         self.runs: dict[bytes, Node] = {}  # first hash || last hash -> the node that is exactly that run
         self.records = 0
-        # every node given device residency since the last RECOVER (some since dropped or
-        # forgotten): what a RECOVER record's reconciliation must visit when the host survived
         self.device_runs: list[Node] = []
         self.max_seq_id = 0  # the highest sequence id an OPEN or FORK record named
         self.device_runs_missed = 0  # restarts whose device runs were not all tracked (a bug)
@@ -354,23 +332,13 @@ class Replayer:
         Should a device run have escaped ``device_runs`` (a bug: the tree's device count is
         not zero afterwards), the whole tree is walked as well, which is always right, the
         miss is logged and counted in ``device_runs_missed`` (tests require zero)."""
-        order = None
-        if keep_host:
-            depth_of = {}
-            for node in self.device_runs:
-                if node.slots[DEVICE] is not None and id(node) not in depth_of:
-                    depth, n = 0, node
-                    while n.parent is not None:
-                        depth += 1
-                        n = n.parent
-                    depth_of[id(node)] = (depth, node)
-            order = [node for _, node in sorted(depth_of.values(), key=lambda dn: dn[0])]
-        reconcile(self.tree, keep_host=keep_host, seqs=self.seqs, replayer=self, order=order)
+        order = shallow_first(self.device_runs) if keep_host else None
+        reconcile(self.tree, keep_host=keep_host, seqs=self.seqs, forget=self.forget, order=order)
         if self.tree.num_blocks_in[DEVICE]:
             log.error("replay: %d device blocks were not among the tracked device runs; walking "
                       "the whole tree", self.tree.num_blocks_in[DEVICE])
             self.device_runs_missed += 1
-            reconcile(self.tree, keep_host=keep_host, seqs=self.seqs, replayer=self)
+            reconcile(self.tree, keep_host=keep_host, seqs=self.seqs, forget=self.forget)
         self.device_runs = []
 
     def forget(self, node: Node) -> None:
@@ -386,47 +354,4 @@ class Replayer:
                 del self.runs[key]
 
 
-def reconcile(tree, *, keep_host: bool, seqs: dict, replayer: Replayer | None = None,
-              order: list[Node] | None = None) -> int:
-    """Drop what does not survive a restart; returns the number of runs forgotten.
-
-    Children before parents, so that a run is forgotten only once nothing below it needs it.
-    Eviction queues are not maintained (the caller rebuilds them). ``order``: every node that
-    may hold what is dropped, parents before children (default: the whole tree).
-    """
-    if order is None:
-        order = list(tree.nodes())
-    forgotten = 0
-    tiers = (DEVICE,) if keep_host else (DEVICE, HOST)
-    for node in reversed(order):
-        slots = node.slots
-        for tier in tiers:
-            if slots[tier] is not None and drop_residency(tree, node, tier):
-                forgotten += 1
-                if replayer is not None:
-                    replayer.forget(node)
-    for seq in seqs.values():
-        seq[1] = surviving(seq[1])
-    return forgotten
-
-
-def surviving(node: Node) -> Node:
-    """The deepest node on ``node``'s path to the root that is still in the tree."""
-    path = []
-    n = node
-    while n.parent is not None:
-        path.append(n)
-        n = n.parent
-    best = n  # the root
-    for n in reversed(path):
-        if n.parent.children.get(n.key) is not n:
-            break
-        best = n
-    return best
-
-
-def root_for(tree, extra: bytes):
-    return tree.roots.get(extra) or tree.root(extra)
-
-
-__all__ = ["Replayer", "ReplayError", "reconcile", "surviving", "namespace_hash"]
+__all__ = ["Replayer", "ReplayError"]
