@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m prefixd.demo
+	$(PY) -m prefixd.tools.demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not soak"

@@ -17,8 +17,8 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from prefixd.cache import PrefixCache  # noqa: E402
-from prefixd.replay import replay, summarize  # noqa: E402
-from prefixd.workloads import WORKLOADS, ideal_hit_rate, working_set_tokens  # noqa: E402
+from prefixd.tools.driver import replay, summarize  # noqa: E402
+from prefixd.tools.workloads import WORKLOADS, ideal_hit_rate, working_set_tokens  # noqa: E402
 
 
 def run(workload: str, block_size: int = 16, pool_fraction: float = 0.5, policy: str = "lru",

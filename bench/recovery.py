@@ -45,7 +45,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 from prefixd.api.layout import KVLayout  # noqa: E402
-from prefixd.cache.durable import DurableCache  # noqa: E402
+from prefixd.engine.durable import DurableCache  # noqa: E402
 
 BLOCK_SIZE = 16
 LAYOUT = KVLayout("bench-tiny", num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32",
@@ -60,7 +60,7 @@ t_first = time.time()
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from prefixd.api.layout import KVLayout
-from prefixd.cache.durable import DurableCache
+from prefixd.engine.durable import DurableCache
 t_imported = time.time()
 args = json.loads(sys.argv[2])
 layout = KVLayout(**args["layout"])

@@ -32,7 +32,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from prefixd.api.layout import KVLayout  # noqa: E402
-from prefixd.storage.tiers import Tier, TierStore  # noqa: E402
+from prefixd.api.tiers import Tier
+from prefixd.storage.tier_store import TierStore  # noqa: E402
 
 LAYOUT = KVLayout("llama-3-8b", num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16", block_size=16)
 
@@ -183,8 +184,8 @@ def hit_rate(args) -> dict:
     KV per workload would time the disk, which ``bandwidth`` already does.
     """
     from prefixd.cache import PrefixCache
-    from prefixd.replay import replay
-    from prefixd.workloads import WORKLOADS, ideal_hit_rate, working_set_tokens
+    from prefixd.tools.driver import replay
+    from prefixd.tools.workloads import WORKLOADS, ideal_hit_rate, working_set_tokens
 
     out = {}
     bs = 16

@@ -1,19 +1,27 @@
-"""The parts depend one way (DESIGN.md "The parts and which way they depend")."""
+"""The parts depend one way (DESIGN.md "The parts and which way they depend"), for every module.
+
+A part is a subpackage of ``prefixd`` or a declared bottom-layer module (``crashpoints``); the
+package's top level holds nothing else but ``__init__``.
+"""
 
 import ast
+import collections
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "prefixd"
 
-# part -> the parts of ours it may import
+# part -> the parts of ours it may import. ``crashpoints`` is a bottom layer any part may use.
 ALLOWED = {
+    "crashpoints": set(),
     "api": set(),
     "kernels": set(),
-    "wal": set(),
-    "storage": {"api", "kernels"},  # never the WAL: storage emits events, the engine logs them
-    "cache": {"api", "kernels", "wal", "storage"},
-    "daemon": {"api", "kernels", "wal", "storage", "cache"},
+    "wal": {"crashpoints"},
+    "storage": {"api", "kernels", "crashpoints"},  # never the WAL: storage emits events, the engine logs them
+    "cache": {"api", "storage", "crashpoints"},    # the in-memory core: no WAL, no engine
+    "engine": {"api", "kernels", "wal", "storage", "cache", "crashpoints"},
+    "daemon": {"api", "kernels", "wal", "storage", "cache", "engine", "crashpoints"},
     "client": {"api", "kernels"},
+    "tools": {"api", "kernels", "wal", "storage", "cache", "engine", "crashpoints", "client"},
 }
 
 
@@ -30,35 +38,57 @@ def _imports(path: pathlib.Path) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found.add(node.module)
+            if node.module == "prefixd":  # ``from prefixd import part``
+                found.update(f"prefixd.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            found.add(f"<relative import, level {node.level}>")
     return found
+
+
+def _part_of_path(rel: pathlib.PurePath) -> str:
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def test_every_module_belongs_to_a_declared_part():
+    unknown = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py")
+               if _part_of_path(p.relative_to(ROOT)) not in ALLOWED | {"__init__": None}]
+    assert not unknown, f"modules outside every declared part (add the part to ALLOWED): {unknown}"
 
 
 def test_parts_import_only_parts_above_them():
     violations = []
     for path in sorted(ROOT.rglob("*.py")):
         rel = path.relative_to(ROOT)
-        if len(rel.parts) < 2:
-            continue  # prefixd/__init__.py, demo, workloads: top-level glue
-        part = rel.parts[0]
-        if part not in ALLOWED:
-            continue
+        part = _part_of_path(rel)
         for module in _imports(path):
-            target = _part_of(module)
-            if target is None or target == part or target not in ALLOWED:
+            if module.startswith("<relative"):
+                violations.append(f"{rel}: {module} (write absolute imports)")
                 continue
-            if target not in ALLOWED[part]:
+            target = _part_of(module)
+            if target is None or target == part:
+                continue
+            if part == "__init__" or target not in ALLOWED[part]:
                 violations.append(f"{rel} imports {module}")
     assert not violations, "layering broken:\n" + "\n".join(violations)
 
 
-def test_nothing_imports_the_daemon():
+def test_nothing_imports_the_daemon_or_the_tools():
     offenders = []
     for path in sorted(ROOT.rglob("*.py")):
-        rel = path.relative_to(ROOT)
-        if rel.parts[0] == "daemon":
-            continue
-        if any(_part_of(m) == "daemon" for m in _imports(path)):
-            offenders.append(str(rel))
-    assert not offenders, f"these import prefixd.daemon: {offenders}"
+        part = _part_of_path(path.relative_to(ROOT))
+        for module in _imports(path):
+            if _part_of(module) in ("daemon", "tools") and _part_of(module) != part:
+                offenders.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert not offenders, f"only the daemon and the tools are at the top: {offenders}"
+
+
+def test_no_two_modules_share_a_name():
+    """A newcomer must tell modules apart by name (``errors.py``, one per part, is the exception)."""
+    by_name = collections.defaultdict(list)
+    for path in ROOT.rglob("*.py"):
+        if path.name not in ("__init__.py", "errors.py"):
+            by_name[path.name].append(str(path.relative_to(ROOT)))
+    shared = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+    assert not shared, f"module names used more than once: {shared}"

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-DEVICE, HOST, DISK = 0, 1, 2
-NUM_TIERS = 3
-TIER_NAMES = ("device", "host", "disk")
+from prefixd.api.tiers import DEVICE, DISK, HOST, NUM_TIERS, TIER_NAMES  # noqa: F401 (re-exported)
 
 
 class Node:

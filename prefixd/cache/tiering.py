@@ -29,7 +29,7 @@ import logging
 
 from prefixd.cache.events import BlocksDropped, BlocksMoved, new_event
 from prefixd.cache.node import DEVICE, DISK, HOST, TIER_NAMES, Node, attached, split
-from prefixd.faults import crash_point
+from prefixd.crashpoints import crash_point
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from typing import NamedTuple, Sequence
 import torch
 import xxhash
 
-from prefixd.faults import crash_point
+from prefixd.crashpoints import crash_point
 from prefixd.storage import checksum
 from prefixd.storage.pools import DiskPool, TensorPool
 

@@ -3,7 +3,7 @@
 This docstring is the format specification. The cache (``prefixd.cache``) decides what records
 mean and what checkpoints contain; this package decides how they are stored, made durable and
 read back. It imports only lmdb, msgpack, numpy, xxhash, google-crc32c, the stdlib and
-``prefixd.faults``.
+``prefixd.crashpoints``.
 
 Files
 -----
@@ -49,7 +49,7 @@ code   kind         fixed fields, in order                                blob
 13     RECOVER      epoch I, host_kept B                                  no
 =====  ===========  ====================================================  ====
 
-The table lives in ``records.KIND_SPECS``; adding a kind is one row there.
+The table lives in ``kinds.KIND_SPECS``; adding a kind is one row there.
 
 Versioning
 ----------
@@ -124,7 +124,7 @@ from prefixd.wal.errors import (
 )
 from prefixd.wal.group import WalStats
 from prefixd.wal.meta import FORMAT_VERSION, MetaInfo
-from prefixd.wal.records import KIND_SPECS, Kind, field_names
+from prefixd.wal.kinds import KIND_SPECS, Kind, field_names
 from prefixd.wal.wal import Wal
 
 __all__ = [

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import google_crc32c
 
 from prefixd.wal.errors import WalCorruptError
-from prefixd.wal.records import CODECS, Kind
+from prefixd.wal.kinds import CODECS, Kind
 
 _KEY = struct.Struct(">Q")
 _CRC = struct.Struct("<I")

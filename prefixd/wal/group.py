@@ -35,7 +35,7 @@ import time
 from concurrent.futures import Future
 from typing import Callable, NamedTuple
 
-from prefixd.faults import crash_point
+from prefixd.crashpoints import crash_point
 from prefixd.wal.codec import encode, pack_key
 from prefixd.wal.env import WalEnv, _pid
 from prefixd.wal.errors import WalClosedError, WalError, WalFailedError

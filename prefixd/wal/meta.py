@@ -26,7 +26,7 @@ import msgpack
 
 from prefixd.wal.env import WalEnv
 from prefixd.wal.errors import StateMismatchError
-from prefixd.wal.records import kinds_table
+from prefixd.wal.kinds import kinds_table
 
 log = logging.getLogger(__name__)
 

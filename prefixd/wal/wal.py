@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import TypeVar
 
-from prefixd.faults import crash_point
+from prefixd.crashpoints import crash_point
 from prefixd.wal.checkpoint import read_checkpoint, write_checkpoint
 from prefixd.wal.codec import Record
 from prefixd.wal.env import DEFAULT_MAP_SIZE, MAX_MAP_SIZE, WalEnv, is_open_here
@@ -22,7 +22,7 @@ from prefixd.wal.errors import EnvAlreadyOpenError, WalClosedError, WalFailedErr
 from prefixd.wal.group import GroupCommitter, WalStats
 from prefixd.wal.lock import StateDirLock
 from prefixd.wal.meta import MetaInfo, open_meta
-from prefixd.wal.replay import last_lsn, prefetch, replay, replay_batches
+from prefixd.wal.reader import last_lsn, prefetch, replay, replay_batches
 
 T = TypeVar("T")
 
@@ -105,7 +105,7 @@ class Wal:
 
         Args:
             kind: a ``Kind``.
-            *fields: the kind's fixed fields in order (``records.KIND_SPECS``).
+            *fields: the kind's fixed fields in order (``kinds.KIND_SPECS``).
             blob: trailing bytes, for kinds that carry one.
 
         Returns:
@@ -233,7 +233,7 @@ class Wal:
 
     def prefetch(self, after_lsn: int = 0) -> threading.Thread:
         """Start a thread that reads the log after ``after_lsn`` into the page cache (see
-        ``prefixd.wal.replay.prefetch``); join it before closing the Wal."""
+        ``prefixd.wal.reader.prefetch``); join it before closing the Wal."""
         wenv = self._env()
 
         def run() -> None:
@@ -248,7 +248,7 @@ class Wal:
 
     def replay_batches(self, after_lsn: int = 0) -> Iterator[tuple[int, list[bytes]]]:
         """``replay``, as ``(lsn of the first, raw verified values)`` batches (see
-        ``prefixd.wal.replay.replay_batches``), for callers that decode fields themselves."""
+        ``prefixd.wal.reader.replay_batches``), for callers that decode fields themselves."""
         return replay_batches(self._env(), after_lsn)
 
     # --- state --------------------------------------------------------------------------------------

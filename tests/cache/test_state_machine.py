@@ -19,7 +19,8 @@ from prefixd.cache import OutOfBlocks, PrefixCache
 from prefixd.cache import events as ev
 from prefixd.cache.hashing import chain_hashes, namespace_hash
 from prefixd.cache.node import DISK, HOST
-from prefixd.storage.tiers import Tier, TierStore
+from prefixd.api.tiers import Tier
+from prefixd.storage.tier_store import TierStore
 from tests.cache.helpers import StoreTokens, TokenPool, tiny_layout, toks
 
 BS = 2

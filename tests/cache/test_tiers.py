@@ -6,7 +6,8 @@ import pytest
 
 from prefixd.cache import PrefixCache
 from prefixd.cache.node import DISK, HOST
-from prefixd.storage.tiers import Tier, TierStore
+from prefixd.api.tiers import Tier
+from prefixd.storage.tier_store import TierStore
 from tests.cache.helpers import StoreTokens, tiny_layout, toks
 
 BS = 2

@@ -26,9 +26,9 @@ import sys
 import numpy as np
 
 from prefixd.api.layout import KVLayout
-from prefixd.cache.durable import DurableCache
+from prefixd.engine.durable import DurableCache
 from prefixd.cache.node import DEVICE, DISK, HOST, path_to
-from prefixd.storage.tiers import Tier
+from prefixd.api.tiers import Tier
 from tests.cache.helpers import StoreTokens
 
 BS = 4

@@ -42,7 +42,7 @@ import numpy as np
 import pytest
 
 from prefixd.api.layout import KVLayout
-from prefixd.cache.durable import DurableCache
+from prefixd.engine.durable import DurableCache
 from prefixd.cache.node import DISK, path_to
 from prefixd.storage.errors import HeaderMismatchError
 from prefixd.storage.poolfile import DATA_OFFSET
@@ -370,7 +370,7 @@ LMDB_TABLE = [
     # An empty data.mdb is what LMDB creates for a new directory: starting a new cache there
     # would leave the old disk pool unseen on disk, so recovery refuses and says what to do.
     LmdbDamage("truncate to zero", lmdb_truncate_to_zero, False,
-               "prefixd.cache.errors.IndexLostError", r"has disk pool\(s\) prefixd-.*\.disk\.pool but no index"),
+               "prefixd.engine.errors.IndexLostError", r"has disk pool\(s\) prefixd-.*\.disk\.pool but no index"),
 ]
 
 

@@ -23,10 +23,10 @@ import lmdb
 import numpy as np
 import pytest
 
-from prefixd.cache.durable import DurableCache
+from prefixd.engine.durable import DurableCache
 from prefixd.storage.errors import SpaceError, StorageError
 from prefixd.storage.poolfile import DATA_OFFSET, free_bytes
-from prefixd.storage.tiers import Tier
+from prefixd.api.tiers import Tier
 from prefixd.wal import WalFailedError
 from tests.cache.helpers import StoreTokens
 from tests.crash.prefixd_workload import BS, LAYOUT, check, open_cache

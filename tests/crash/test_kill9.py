@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from prefixd.faults import CRASH_EXIT_CODE
+from prefixd.crashpoints import CRASH_EXIT_CODE
 from tests.crash.acklog import read_acks, wait_for_acks
 from tests.crash.prefixd_workload import check
 

@@ -8,7 +8,8 @@ import torch
 import xxhash
 
 from prefixd.api.layout import KVLayout
-from prefixd.storage.tiers import Tier, TierStore
+from prefixd.api.tiers import Tier
+from prefixd.storage.tier_store import TierStore
 
 SMALL = KVLayout("test-small", num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_size=16)  # 16 KiB
 BIG = KVLayout("test-big", num_layers=10, num_kv_heads=4, head_dim=128, dtype="bfloat16", block_size=16)  # 320 KiB

@@ -10,7 +10,8 @@ import os
 import pytest
 
 from prefixd.storage.poolfile import DATA_OFFSET
-from prefixd.storage.tiers import Tier, TierStore
+from prefixd.api.tiers import Tier
+from prefixd.storage.tier_store import TierStore
 
 from .conftest import SMALL, block_data, same_bytes
 

@@ -14,7 +14,8 @@ from prefixd.api.layout import KVLayout
 from prefixd.storage import poolfile
 from prefixd.storage.errors import HeaderMismatchError, SpaceError
 from prefixd.storage.poolfile import PoolHeader
-from prefixd.storage.tiers import Tier, TierStore
+from prefixd.api.tiers import Tier
+from prefixd.storage.tier_store import TierStore
 
 from .conftest import SMALL, block_data, same_bytes
 

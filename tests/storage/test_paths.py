@@ -9,7 +9,7 @@ import torch
 import xxhash
 
 from prefixd.storage import checksum, movement
-from prefixd.storage.tiers import Tier
+from prefixd.api.tiers import Tier
 
 from .conftest import BIG, SMALL, block_data, same_bytes
 

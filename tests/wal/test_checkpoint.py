@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from prefixd.faults import CRASH_EXIT_CODE
+from prefixd.crashpoints import CRASH_EXIT_CODE
 from prefixd.wal import Kind, WalCorruptError
 from prefixd.wal.checkpoint import CHUNK_SIZE
 

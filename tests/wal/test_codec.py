@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixd.wal import KIND_SPECS, Kind, WalCorruptError, decode, encode, field_names
-from prefixd.wal.records import KindSpec, _check_table
+from prefixd.wal.kinds import KindSpec, _check_table
 
 _FIELD = {
     "Q": st.integers(0, 2**64 - 1),

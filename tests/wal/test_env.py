@@ -189,7 +189,7 @@ def test_replay_reports_a_gap(state_dir, open_wal):
 
 
 def test_replay_spans_batches(open_wal):
-    from prefixd.wal import replay as replay_mod
+    from prefixd.wal import reader as replay_mod
 
     wal = open_wal()
     for i in range(25):
@@ -200,7 +200,7 @@ def test_replay_spans_batches(open_wal):
 
 
 def test_prefetch_touches_the_log_after_an_lsn_and_ends(state_dir, open_wal):
-    from prefixd.wal.replay import prefetch
+    from prefixd.wal.reader import prefetch
 
     wal = open_wal()
     assert prefetch(wal._env(), 0) == 0  # an empty log

@@ -8,7 +8,7 @@ import time
 import lmdb
 import pytest
 
-from prefixd.faults import CRASH_EXIT_CODE
+from prefixd.crashpoints import CRASH_EXIT_CODE
 from prefixd.wal import Kind, WalClosedError, WalFailedError
 
 from .conftest import run_child

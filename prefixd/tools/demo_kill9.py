@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from prefixd.api.layout import KVLayout
-from prefixd.cache.durable import DurableCache
-from prefixd.workloads import gsp
+from prefixd.engine.durable import DurableCache
+from prefixd.tools.workloads import gsp
 
 LAYOUT = KVLayout("demo", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=16)
 SIZES = (256, 1024, 8192)
@@ -74,7 +74,7 @@ def run() -> list[tuple[str, str]]:
     with tempfile.TemporaryDirectory(prefix="prefixd-demo-") as tmp:
         state, shm = os.path.join(tmp, "state"), os.path.join(tmp, "shm")
         os.makedirs(shm)
-        proc = subprocess.Popen([sys.executable, "-m", "prefixd.demo_crash", state, shm],
+        proc = subprocess.Popen([sys.executable, "-m", "prefixd.tools.demo_kill9", state, shm],
                                 stdout=subprocess.PIPE, text=True)
         acked = 0
         t0 = time.perf_counter()

@@ -4,7 +4,7 @@
 host (and, without a GPU, the device) tier. Every operation runs the cache core, then logs the
 events it produced; a commit at ``crash`` or ``power`` durability waits for its records to be
 durable. Opening the state directory recovers: checkpoint, log tail, reconciliation (see
-``prefixd.cache.replay``), then a RECOVER record. The write order lives in ``_make_durable``.
+``prefixd.engine.replay``), then a RECOVER record. The write order lives in ``_make_durable``.
 
 Not thread-safe: one caller at a time (the daemon serializes cache operations on one thread;
 the WAL's committer thread is internal).
@@ -20,16 +20,16 @@ import time
 from typing import NamedTuple
 
 from prefixd.api.layout import KVLayout
-from prefixd.cache import checkpoint as ckpt
-from prefixd.cache.errors import CacheError
+from prefixd.engine import snapshot as ckpt
+from prefixd.engine.errors import DurabilityError
 from prefixd.cache.events import BlocksMoved
 from prefixd.cache.node import DISK, HOST, path_to
-from prefixd.cache.records import event_records
-from prefixd.cache.recovery import recover
-from prefixd.cache.replay import ZERO_HASH
-from prefixd.faults import crash_point
+from prefixd.engine.records import event_records
+from prefixd.engine.recovery import recover
+from prefixd.engine.replay import ZERO_HASH
+from prefixd.crashpoints import crash_point
 from prefixd.storage.errors import StorageError
-from prefixd.storage.tiers import Tier
+from prefixd.api.tiers import Tier
 from prefixd.wal import Kind, Wal
 
 log = logging.getLogger(__name__)
@@ -50,10 +50,6 @@ def _poison_on_storage_error(method):
             raise self.wal.fail(exc) from exc
 
     return guarded
-
-
-class DurabilityError(CacheError):
-    """A commit could not be made as durable as asked (a lower tier has no room left)."""
 
 
 class Reclaimed(NamedTuple):

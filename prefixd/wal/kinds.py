@@ -45,7 +45,7 @@ KIND_SPECS: tuple[KindSpec, ...] = (
     _kind(10, "BLOCK_MOVE", "tier:B num_blocks:I", blob=True),
     _kind(11, "BLOCK_DROP", "tier:B num_blocks:I", blob=True),
     _kind(12, "TOUCH",      "time:d num_blocks:I", blob=True),
-    _kind(13, "RECOVER",    "epoch:I host_kept:B"),  # a recovery ran here: see prefixd.cache.replay
+    _kind(13, "RECOVER",    "epoch:I host_kept:B"),  # a recovery ran here: see prefixd.engine.replay
 )
 # fmt: on
 

@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from prefixd.cache.durable import DurabilityError, DurableCache
+from prefixd.engine import DurabilityError, DurableCache
 from prefixd.cache.node import DISK, HOST
-from prefixd.storage.tiers import Tier
+from prefixd.api.tiers import Tier
 from prefixd.wal import EnvAlreadyOpenError, StateMismatchError
 from tests.cache.helpers import StoreTokens, tiny_layout
 
@@ -265,7 +265,7 @@ def test_a_disk_pool_without_its_index_is_refused_but_our_own_half_start_is_redo
     """Guards against a lost data.mdb silently starting a new cache beside the old disk pool
     (unseen, never freed), and against refusing a first start that crashed before its first
     checkpoint (its pool has this directory's own name)."""
-    from prefixd.cache.errors import IndexLostError
+    from prefixd.engine.errors import IndexLostError
     from prefixd.wal import Wal
 
     state = tmp_path / "state"

@@ -17,12 +17,13 @@ import random
 import msgpack
 import pytest
 
-from prefixd.cache import checkpoint as ckpt
-from prefixd.cache.durable import DurabilityError, DurableCache
-from prefixd.cache.errors import OutOfBlocks, StateFormatError
+from prefixd.engine import snapshot as ckpt
+from prefixd.engine import DurabilityError, DurableCache
+from prefixd.cache.errors import OutOfBlocks
+from prefixd.engine.errors import StateFormatError
 from prefixd.cache.node import DEVICE, DISK, HOST
 from prefixd.cache.prefix_cache import PrefixCache
-from prefixd.cache.replay import ReplayError, Replayer
+from prefixd.engine.replay import ReplayError, Replayer
 from prefixd.wal import Kind, Record, Wal
 from tests.cache.helpers import tiny_layout, toks
 

@@ -20,7 +20,7 @@ starts. Moves and drops are most of a log (every eviction writes one or two), an
 every block of their run made them 3-20x larger than they are now, for nothing replay used.
 
 ``RECORDS_VERSION`` numbers these layouts; the checkpoint saves it and a state directory
-written with another one is refused (``prefixd.cache.errors.StateFormatError``).
+written with another one is refused (``prefixd.engine.errors.StateFormatError``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import numpy as np
 
 from prefixd.cache import events as ev
 from prefixd.cache.node import DEVICE
-from prefixd.wal.records import Kind
+from prefixd.wal.kinds import Kind
 
 H = 16
 RECORDS_VERSION = 3  # 1: moves and drops named every block; 2: device moves carried slots

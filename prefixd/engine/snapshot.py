@@ -29,9 +29,9 @@ import gc
 import msgpack
 import numpy as np
 
-from prefixd.cache.errors import StateFormatError
+from prefixd.engine.errors import StateFormatError
 from prefixd.cache.node import Node, new_root
-from prefixd.cache.records import RECORDS_VERSION
+from prefixd.engine.records import RECORDS_VERSION
 
 
 def dump(cache, extra_meta: dict, seqs: list) -> tuple[dict[bytes, bytes], dict[bytes, bytes]]:

@@ -25,7 +25,6 @@ DISK source: a block with ``ok=False`` was not written to the destination and mu
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,7 +33,8 @@ from typing import Mapping, Sequence
 import torch
 
 from prefixd.api.layout import KVLayout
-from prefixd.faults import crash_point
+from prefixd.api.tiers import Tier
+from prefixd.crashpoints import crash_point
 from prefixd.storage import checksum, movement
 from prefixd.storage.movement import CopyResult, Staging
 from prefixd.storage.pools import DiskPool, TensorPool
@@ -43,12 +43,6 @@ from prefixd.storage.slots import SlotAllocator
 log = logging.getLogger(__name__)
 
 __all__ = ["CopyResult", "Tier", "TierStore"]
-
-
-class Tier(enum.IntEnum):
-    DEVICE = 0
-    HOST = 1
-    DISK = 2
 
 
 class TierStore:

@@ -4,7 +4,7 @@ First runs the in-process cache core on the ``gsp`` workload (DESIGN.md "Benchma
 device pool half the working set, and prints a table: requests, hit rate against the ideal,
 evictions, and per-operation latency. Then serves a small workload with the durable cache
 (three tiers, WAL) in a child process, kills it with SIGKILL, recovers, and shows that every
-acknowledged prefix is still a hit with byte-identical KV (``prefixd.demo_crash``).
+acknowledged prefix is still a hit with byte-identical KV (``prefixd.tools.demo_kill9``).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import argparse
 import time
 
 from prefixd.cache import PrefixCache
-from prefixd.replay import replay, summarize
-from prefixd.workloads import WORKLOADS, ideal_hit_rate, working_set_tokens
+from prefixd.tools.driver import replay, summarize
+from prefixd.tools.workloads import WORKLOADS, ideal_hit_rate, working_set_tokens
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m prefixd.demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m prefixd.tools.demo", description=__doc__)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="gsp")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-crash", action="store_true", help="skip the kill -9 / recovery part")
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(("invariants", "checked: OK"))
     _table("prefixd cache core: in-process replay", rows)
     if not args.no_crash:
-        from prefixd import demo_crash
+        from prefixd.tools import demo_kill9 as demo_crash
 
         _table("prefixd durable cache: serve, kill -9, recover", demo_crash.run())
     print(f"(ran in {time.perf_counter() - t0:.1f} s)")

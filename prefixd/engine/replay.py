@@ -6,7 +6,7 @@ reproduces it). Sequences are tracked as ``[session_id, deepest node, extra]``: 
 blocks never survive, so EXTEND and COW records carry nothing replay needs.
 
 At a RECOVER record (and at the end of the log) it reconciles as that restart did
-(``prefixd.cache.reconcile``).
+(``prefixd.engine.reconcile``).
 
 NOTE: replay runs once per record of a log tail (100k records name millions of blocks), so it
 touches blocks only where a record brings new per-block data (BLOCK_PUT, BLOCK_MOVE): a run is
@@ -28,9 +28,9 @@ from itertools import chain, repeat
 import numpy as np
 
 from prefixd.cache.node import DEVICE, Node, split
-from prefixd.cache.reconcile import reconcile, set_residency, shallow_first
+from prefixd.engine.reconcile import reconcile, set_residency, shallow_first
 from prefixd.wal.codec import CRC_SIZE, encode
-from prefixd.wal.records import CODECS, Kind
+from prefixd.wal.kinds import CODECS, Kind
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Recovery: open a ``DurableCache`` on its state directory.
 
-Checkpoint load, log tail replay, reconciliation (``prefixd.cache.replay``), allocators and
+Checkpoint load, log tail replay, reconciliation (``prefixd.engine.replay``), allocators and
 eviction queues rebuilt, recovered sequences held for reclaim, then a RECOVER record (or, on a
 first start, an empty checkpoint naming the pool files) before the cache is ready. Timings of
 each phase land in ``DurableCache.recovery``.
@@ -16,13 +16,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from prefixd.cache import checkpoint as ckpt
-from prefixd.cache.errors import CacheError, IndexLostError
+from prefixd.engine import snapshot as ckpt
+from prefixd.cache.errors import CacheError
+from prefixd.engine.errors import IndexLostError
 from prefixd.cache.hashing import root_hash
 from prefixd.cache.node import DISK, HOST, path_to
 from prefixd.cache.prefix_cache import PrefixCache
-from prefixd.cache.replay import ZERO_HASH, Replayer
-from prefixd.storage.tiers import Tier, TierStore
+from prefixd.engine.replay import ZERO_HASH, Replayer
+from prefixd.api.tiers import Tier
+from prefixd.storage.tier_store import TierStore
 from prefixd.wal import Kind
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import google_crc32c
 import lmdb
 
 from prefixd.wal.codec import CRC_SIZE, KEY_SIZE, Record, decode, pack_key, unpack_key
-from prefixd.wal.records import CODECS
+from prefixd.wal.kinds import CODECS
 from prefixd.wal.env import WalEnv
 from prefixd.wal.errors import WalCorruptError
 from prefixd.wal.meta import K_CHECKPOINT, get_u64
