@@ -4,9 +4,20 @@
 n-th pass (1-based) of ``crash_point(name)``. Unset (production), ``crash_point`` is one dict
 lookup on an empty dict. The variable is read once, at import.
 
-Known points (grep ``crash_point(`` for the full list): ``data_written``, ``data_synced``,
-``wal_before_commit``, ``wal_after_commit``, ``checkpoint_inside``, ``evict_inside``,
-``promote_inside``.
+Every point, one call site each (``tests/test_crashpoints.py`` checks that this list, the
+call sites and the kill -9 suite agree):
+
+- ``disk_data_written``: storage, a batch of blocks pwritten to the disk pool, not yet synced.
+- ``disk_data_synced``: storage, the disk pool fdatasynced after writes.
+- ``commit_data_written``: engine commit, the blocks copied down, records not yet appended.
+- ``commit_data_synced``: engine, the disk pool synced before records that name its slots.
+- ``checkpoint_dumped``: engine, the checkpoint serialized, not yet handed to the log.
+- ``wal_checkpoint_inside``: log, inside the checkpoint's write transaction.
+- ``wal_before_commit``, ``wal_after_commit``: log, around a group's commit.
+- ``evict_inside``, ``promote_inside``: cache core, in the middle of an eviction / promotion.
+
+NOTE: a name belongs to one site: an armed ``name:n`` counts passes, and passes of two sites
+under one name would make ``n`` mean nothing in particular.
 """
 
 from __future__ import annotations

@@ -200,7 +200,7 @@ class DurableCache:
             if not tiering.write_down(node, want):
                 raise DurabilityError(f"cannot make sequence {seq.id} {durability}-durable: "
                                       f"no room in the {'disk' if want == DISK else 'host'} tier")
-        crash_point("data_written")
+        crash_point("commit_data_written")
         self._log()
         self.wal.flush().result()
         self._reclaim()
@@ -221,7 +221,7 @@ class DurableCache:
                     # "succeed" over lost bytes): poison the log, so that nothing more is
                     # acknowledged and the log never goes on without them.
                     raise self.wal.fail(exc) from exc
-                crash_point("data_synced")
+                crash_point("commit_data_synced")
                 break
         append = self.wal.append
         for e in events:
@@ -305,7 +305,7 @@ class DurableCache:
                 "file_ids": {str(int(t)): fid.hex() for t, fid in self.store.file_ids.items()}}
         index, seq_values = ckpt.dump(self.cache, meta, seqs)
         lsn = self.wal.stats().next_lsn - 1
-        crash_point("checkpoint_inside")
+        crash_point("checkpoint_dumped")
         self.wal.checkpoint(lsn, index, seq_values)
         self._since_checkpoint = 0
         self._reclaim()

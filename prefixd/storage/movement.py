@@ -195,7 +195,7 @@ def write_to_disk(rows, src_slots: Sequence[int], disk: DiskPool, dst_slots: Seq
         pending.append(helper.submit(_write_chunk, disk, rows, src_slots, dst_slots, lo, hi))
     for f in pending:
         f.result()
-    crash_point("data_written")
+    crash_point("disk_data_written")
     return CopyResult(sums, None)
 
 

@@ -196,7 +196,7 @@ class TierStore:
         """Make written bytes durable: one fdatasync for DISK; nothing for shm or CUDA tiers."""
         pool = self.pool(tier)
         if isinstance(pool, DiskPool) and pool.sync():
-            crash_point("data_synced")
+            crash_point("disk_data_synced")
 
     # ----------------------------------------------------------------------------- bytes in/out
     def read(self, tier: Tier, slots: Sequence[int]) -> torch.Tensor:

@@ -186,7 +186,7 @@ class Wal:
         def job() -> int:
             def txn_fn(txn) -> int:
                 deleted = write_checkpoint(txn, wenv, lsn, index, seqs)
-                crash_point("checkpoint_inside")
+                crash_point("wal_checkpoint_inside")
                 return deleted
 
             deleted = wenv.write(txn_fn)

@@ -92,8 +92,9 @@ def test_the_kill_9_harness_catches_an_acknowledgement_before_commit(tmp_path):
     assert caught, "the harness did not see a lost acknowledged commit: it cannot detect loss"
 
 
-CRASH_POINTS = ["data_written", "data_synced", "wal_before_commit", "wal_after_commit",
-                "checkpoint_inside", "evict_inside", "promote_inside"]
+CRASH_POINTS = ["disk_data_written", "disk_data_synced", "commit_data_written", "commit_data_synced",
+                "checkpoint_dumped", "wal_checkpoint_inside", "wal_before_commit", "wal_after_commit",
+                "evict_inside", "promote_inside"]
 
 
 def _crash_at(tmp_path, point: str, n: int) -> dict:

@@ -100,7 +100,7 @@ def test_crash_inside_checkpoint_keeps_the_old_one(state_dir, open_wal):
         from prefixd.wal import Wal
         wal = Wal({state_dir!r}, layouts=b"layout-v1")
         wal.checkpoint(10, {{b"new": b"x" * 3_000_000}}, {{}})
-    """, crash="checkpoint_inside:1")
+    """, crash="wal_checkpoint_inside:1")
     assert child.returncode == CRASH_EXIT_CODE, child.stderr
     wal = open_wal()
     assert wal.load_checkpoint() == (4, {b"old": b"index"}, {b"old": b"seqs"})
