@@ -77,13 +77,16 @@ class DurableCache:
         reclaim_grace_s: how long recovered sequences wait for their client.
         checkpoint_records: fold the log into a checkpoint after this many records.
         spill_blocks: batch size of write-through to disk (runs wait until this many blocks).
+        forget_missing_tier: a disk pool file that is gone while the index names blocks in it
+            is refused (``TierLostError``); True drops those blocks at recovery instead and
+            counts them in ``recovery["forgotten_blocks"]``.
     """
 
     def __init__(self, state_dir: str, layout: KVLayout, num_blocks, *, tenant_salt: bytes = b"",
                  sync: str = "commit", write_policy: str = "write_through", policy: str = "lru",
                  verify: str = "lazy", shm_dir: str = "/dev/shm", reclaim_grace_s: float = 30.0,
                  checkpoint_records: int = 100_000, spill_blocks: int = 256,
-                 use_cuda: bool | None = False) -> None:
+                 use_cuda: bool | None = False, forget_missing_tier: bool = False) -> None:
         if verify not in ("lazy", "eager"):
             raise ValueError(f"verify must be 'lazy' or 'eager', got {verify!r}")
         sizes = tuple(num_blocks)
@@ -97,6 +100,7 @@ class DurableCache:
         self.state_dir = state_dir
         self.checkpoint_records = checkpoint_records
         self.spill_blocks = spill_blocks
+        self.forget_missing_tier = forget_missing_tier
         os.makedirs(state_dir, exist_ok=True)
         phases = {}
         self.wal = Wal(state_dir, layouts=layout.to_bytes(), sync=sync)

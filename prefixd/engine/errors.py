@@ -42,3 +42,54 @@ class IndexLostError(EngineError):
             f"(the write-ahead log is empty: data.mdb was deleted or truncated); their blocks "
             f"cannot be recovered. Delete or move the pool file(s) to start a new cache there"
         )
+
+
+class ConfigError(EngineError, ValueError):
+    """An engine setting is out of range, unknown or of the wrong type; the message names the
+    key and what to set it to. Raised when an ``EngineConfig`` is built or loaded."""
+
+
+class UnknownTenantError(EngineError, KeyError):
+    """A pool was asked for a tenant the engine's configuration does not list."""
+
+    def __init__(self, tenant: str, known: list[str]) -> None:
+        self.tenant = tenant
+        self.known = known
+        super().__init__(f"unknown tenant {tenant!r}: the configured tenants are "
+                         f"{', '.join(repr(k) for k in known)}; add it under [[engine.tenants]]")
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class PoolDirError(EngineError):
+    """A pool directory under ``<state_dir>/pools`` cannot be opened as the pool it claims to
+    be (its manifest is missing, damaged, or disagrees with its place or the configuration).
+    Nothing was changed; the message says what to restore or remove."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"pool directory {path}: {reason}")
+
+
+class TierLostError(EngineError):
+    """A pool file that the index names blocks in is gone (deleted or moved away while the
+    daemon was down): those blocks cannot be served. Nothing is started, so nothing is lost
+    silently; the operator chooses between putting the file back and forgetting the blocks."""
+
+    def __init__(self, state_dir: str, path: str, num_blocks: int) -> None:
+        self.state_dir = state_dir
+        self.path = path
+        self.num_blocks = num_blocks
+        super().__init__(
+            f"state directory {state_dir}: pool file {path} is missing but the index names "
+            f"{num_blocks} block(s) in it; put the file back, or start with forget_missing_tier=True "
+            f"(--forget-missing-tier) to drop those blocks from the index and start with an empty tier"
+        )
+
+
+class SharedBlockError(EngineError, ValueError):
+    """A KV write reached a block the sequence does not own alone: an indexed (committed) block,
+    which every prompt with this prefix may be reading, or a partial last block still shared
+    with forked siblings. Nothing was written; the message says which tokens may be written."""

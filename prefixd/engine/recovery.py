@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import time
 from itertools import chain
 from typing import NamedTuple
@@ -18,16 +19,20 @@ import numpy as np
 
 from prefixd.engine import snapshot as ckpt
 from prefixd.cache.errors import CacheError
-from prefixd.engine.errors import IndexLostError
+from prefixd.engine.errors import IndexLostError, TierLostError
+from prefixd.engine.reconcile import drop_residency, surviving
 from prefixd.cache.hashing import root_hash
 from prefixd.cache.node import DISK, HOST, path_to
 from prefixd.cache.prefix_cache import PrefixCache
-from prefixd.engine.replay import ZERO_HASH, Replayer
+from prefixd.engine.replay import ZERO_HASH, Replayer, ReplayError
 from prefixd.api.tiers import Tier
 from prefixd.storage.tier_store import TierStore
-from prefixd.wal import Kind
+from prefixd.wal import Kind, WalCorruptError
 
 log = logging.getLogger(__name__)
+
+# What decoding checksum-valid but wrong checkpoint bytes raises (msgpack's errors are ValueErrors)
+_UNDECODABLE = (ValueError, KeyError, IndexError, TypeError, struct.error)
 
 
 class RecoveredSeq(NamedTuple):
@@ -46,7 +51,49 @@ class RecoveredSeq(NamedTuple):
 
 def recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify, shm_dir,
             reclaim_grace_s, use_cuda, phases, t0) -> None:
-    """Open ``self`` (a ``DurableCache``) on its state directory: the recovery procedure."""
+    """Open ``self`` (a ``DurableCache``) on its state directory: the recovery procedure.
+
+    ``self.forget_missing_tier`` (default False): a disk pool file that is gone while the index
+    names blocks in it is refused (``TierLostError``) unless it is set; then those blocks are
+    dropped from the index and counted in ``recovery["forgotten_blocks"]``.
+
+    Raises:
+        WalCorruptError: the log or the checkpoint is damaged (a record that does not fit the
+            state replay reached included). TierLostError, IndexLostError, StateFormatError,
+            StorageError (a pool file is refused), WalError.
+
+    NOTE: whatever fails, every resource recovery opened (the tiers' files, mappings and
+    threads, the log-prefetch thread, a pool file it created to replace a lost one) is closed
+    before the error leaves; the caller closes the Wal it opened.
+    """
+    self.store = None
+    self._replaced_pool = None  # a pool file recovery created for a lost one (removed on failure)
+    try:
+        _recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify, shm_dir,
+                 reclaim_grace_s, use_cuda, phases, t0)
+    except BaseException as exc:
+        _close_opened(self)
+        if isinstance(exc, ReplayError):  # the log does not fit the checkpoint: a damaged log
+            raise WalCorruptError(None, f"a record does not fit the state replay reached: {exc}",
+                                  self.wal.state_dir) from exc
+        raise
+    self._replaced_pool = None
+
+
+def _close_opened(self) -> None:
+    """Close what a failed recovery opened (never raises over the error that got us here)."""
+    store, self.store = self.store, None
+    if store is not None:
+        try:
+            store.close()
+        except Exception:  # noqa: BLE001 - logged; the recovery error is what the caller needs
+            log.exception("closing the tiers after a failed recovery failed state_dir=%s", self.state_dir)
+    if self._replaced_pool is not None and os.path.exists(self._replaced_pool):
+        os.unlink(self._replaced_pool)  # nothing was written to it; the next start sees it missing again
+
+
+def _recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify, shm_dir,
+             reclaim_grace_s, use_cuda, phases, t0) -> None:
     wal = self.wal
     sizes = tuple(num_blocks)
     t = time.perf_counter()
@@ -57,7 +104,7 @@ def recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify,
     try:
         # NOTE: the checkpoint is read inside one read transaction, straight from the map: a
         # 1M-block checkpoint is ~90 MB, and joining its chunks first cost a copy of all of it.
-        lsn, first_start, keep_host, ckpt_meta, ckpt_nodes, ckpt_hashes, seqs = wal.with_checkpoint(
+        lsn, first_start, keep_host, ckpt_meta, ckpt_nodes, ckpt_hashes, seqs, lost = wal.with_checkpoint(
             lambda lsn, index, seq_values: _from_checkpoint(
                 self, lsn, index, seq_values, layout, sizes, tenant_salt, write_policy, policy,
                 shm_dir, use_cuda))
@@ -73,12 +120,15 @@ def recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify,
                 seq[1] = replayer.ending_at(seq[1])
         replayer.apply_batches(wal.replay_batches(lsn))
     finally:
-        prefetching.join()  # its read transaction must end before anything can close the Wal
+        # its read transaction must end before anything can close the Wal; stopped, not joined:
+        # replay has read what it would have, and an error must not wait on a helper
+        prefetching.stop()
     max_seq = max(max(seqs, default=0), replayer.max_seq_id)
     t3 = time.perf_counter()
     phases["replay_s"] = t3 - t2
     phases["records_replayed"] = replayer.records
     replayer.restart(keep_host)  # the end of the log: what this restart drops, as a RECOVER does
+    phases["forgotten_blocks"] = 0 if lost is None else _forget_lost_tier(self, tree, seqs, DISK, lost)
     phases["device_runs_missed"] = replayer.device_runs_missed  # a bug if not 0: see Replayer.restart
     order = list(tree.nodes())  # one walk serves the allocators and the queues
     slot_lists = [n.slots for n in order]
@@ -112,10 +162,11 @@ def recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify,
         wal.append(Kind.RECOVER, wal.open_epoch(), int(keep_host))
         self._log()
         wal.flush().result()
-        if not keep_host and Tier.HOST in self.store.file_ids:
+        if lost is not None or (not keep_host and Tier.HOST in self.store.file_ids):
             # NOTE: the host pool was just created with a new file id, and file ids are
             # persisted only by checkpoints: without one, the next restart on this boot
-            # would find this file, expect the old id and refuse to start.
+            # would find this file, expect the old id and refuse to start. The same for a disk
+            # pool recreated in place of a lost one.
             self.checkpoint()
     self._reclaim_deadline = time.monotonic() + reclaim_grace_s
     phases["ready_s"] = time.perf_counter() - t0
@@ -153,9 +204,16 @@ def _from_checkpoint(self, lsn, index, seq_values, layout, sizes, tenant_salt, w
             os.unlink(path)
     saved_ids = {}
     if index:
-        saved = msgpack.unpackb(ckpt.whole(index[b"meta"])).get("file_ids", {})
-        saved_ids = {Tier(int(k)): bytes.fromhex(v) for k, v in saved.items()
-                     if int(k) == DISK or (int(k) == HOST and keep_host)}
+        saved_ids = _saved_file_ids(index, lsn, self.state_dir, keep_host)
+    lost = None
+    disk_path = os.path.join(self.state_dir, f"{name}.disk.pool")
+    if Tier.DISK in saved_ids and not os.path.exists(disk_path):
+        # NOTE: never recreated under the saved id (an empty file would pass for the lost one,
+        # and every block the index names there would be dropped on use, silently): a new
+        # file with a new id; once replay has said what the index names there, recovery
+        # refuses or forgets (``_forget_lost_tier``).
+        del saved_ids[Tier.DISK]
+        lost = self._replaced_pool = disk_path
     self.store = TierStore(layout, {Tier.DEVICE: sizes[0], Tier.HOST: sizes[1], Tier.DISK: sizes[2]},
                            state_dir=self.state_dir, shm_dir=shm_dir, name=name,
                            fresh=first_start, file_ids=saved_ids, use_cuda=use_cuda)
@@ -163,13 +221,53 @@ def _from_checkpoint(self, lsn, index, seq_values, layout, sizes, tenant_salt, w
     self.cache = cache = PrefixCache(sizes, layout.block_size, root_hash=root, policy=policy,
                                      data=self.store, write_policy=write_policy)
     tree = cache.tree
-    ckpt_meta, ckpt_nodes, ckpt_hashes = ckpt.load(tree, index, cache.block_bytes)
     seqs: dict = {}
-    if seq_values:
-        for seq_id, session_id, deepest, extra in msgpack.unpackb(ckpt.whole(seq_values[b"seqs"])):
-            root_node = tree.root(extra)
-            seqs[seq_id] = [session_id, root_node if deepest == ZERO_HASH else deepest, extra]
-    return lsn, first_start, keep_host, ckpt_meta, ckpt_nodes, ckpt_hashes, seqs
+    try:
+        ckpt_meta, ckpt_nodes, ckpt_hashes = ckpt.load(tree, index, cache.block_bytes)
+        if seq_values:
+            for seq_id, session_id, deepest, extra in msgpack.unpackb(ckpt.whole(seq_values[b"seqs"])):
+                root_node = tree.root(extra)
+                seqs[seq_id] = [session_id, root_node if deepest == ZERO_HASH else deepest, extra]
+    except _UNDECODABLE as exc:  # every chunk passed its checksum: written wrong, or damaged in place
+        raise WalCorruptError(lsn, f"the checkpoint does not decode: {exc!r}", self.state_dir) from exc
+    return lsn, first_start, keep_host, ckpt_meta, ckpt_nodes, ckpt_hashes, seqs, lost
+
+
+def _saved_file_ids(index, lsn: int, state_dir: str, keep_host: bool) -> dict:
+    """The pool file ids the checkpoint saved, for the tiers whose files must be reopened."""
+    import msgpack
+
+    try:
+        saved = msgpack.unpackb(ckpt.whole(index[b"meta"])).get("file_ids", {})
+        return {Tier(int(k)): bytes.fromhex(v) for k, v in saved.items()
+                if int(k) == DISK or (int(k) == HOST and keep_host)}
+    except _UNDECODABLE as exc:
+        raise WalCorruptError(lsn, f"the checkpoint's meta does not decode: {exc!r}", state_dir) from exc
+
+
+def _forget_lost_tier(self, tree, seqs: dict, tier: int, path: str) -> int:
+    """The tier's pool file was lost (``path`` is its empty replacement): refuse, or, when
+    ``forget_missing_tier`` is set, drop the tier's residency from every run (runs resident
+    nowhere are forgotten, children first; sequences move to their deepest survivor). Returns
+    the blocks dropped.
+
+    Raises:
+        TierLostError: the index names blocks in the tier and forgetting was not asked for.
+    """
+    num_blocks = tree.num_blocks_in[tier]
+    if not num_blocks:
+        log.warning("pool file missing, recreated empty (the index named no block in it) path=%s", path)
+        return 0
+    if not getattr(self, "forget_missing_tier", False):
+        raise TierLostError(self.state_dir, path, num_blocks)
+    for node in reversed(list(tree.nodes())):  # children before their parents
+        if node.slots[tier] is not None:
+            drop_residency(tree, node, tier)
+    for seq in seqs.values():
+        seq[1] = surviving(seq[1])
+    log.warning("pool file missing: its blocks are forgotten (forget_missing_tier) path=%s blocks=%d",
+                path, num_blocks)
+    return num_blocks
 
 
 def verify_disk(self) -> int:

@@ -39,5 +39,24 @@ class HeaderMismatchError(StorageError):
     """
 
 
+class PoolFileMissingError(StorageError):
+    """A pool file that the caller saved the id of (so it must exist) is gone.
+
+    Creating it afresh under that id would make an empty file look like the one the caller's
+    index describes, and every block the index names in it would be lost on use, silently. The
+    caller decides: refuse, or forget those blocks and open the pool without the id.
+
+    Attributes:
+        path: the missing file.
+    """
+
+    def __init__(self, path: str, file_id: bytes) -> None:
+        self.path = path
+        super().__init__(
+            f"pool file {path} (file id {file_id.hex()}) is missing: the blocks it held are gone; "
+            "put the file back, or open the pool without its saved file id to start it empty"
+        )
+
+
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"

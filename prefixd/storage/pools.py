@@ -23,13 +23,20 @@ import torch
 
 from prefixd.api.layout import KVLayout
 from prefixd.storage import poolfile
-from prefixd.storage.errors import StorageError
+from prefixd.storage.errors import PoolFileMissingError, StorageError
 from prefixd.storage.poolfile import PoolHeader
 
 log = logging.getLogger(__name__)
 
 
 def _open_or_create(path: str, header: PoolHeader, fresh: bool, file_id: bytes | None) -> tuple[int, PoolHeader]:
+    """Create (``fresh``, or no file and no expected id) or open and check the pool file.
+
+    Raises:
+        PoolFileMissingError: ``file_id`` names a file that should exist and does not.
+    """
+    if not fresh and file_id is not None and not os.path.exists(path):
+        raise PoolFileMissingError(path, file_id)
     if fresh or not os.path.exists(path):
         return poolfile.create_pool_file(path, header), header
     return poolfile.open_pool_file(path, header, expect_file_id=file_id is not None)
@@ -62,10 +69,12 @@ class TensorPool:
         Args:
             path: the shm pool file; ``None`` allocates on CUDA (device tier on a GPU host).
             fresh: replace an existing file instead of reopening it.
-            file_id: expected id of an existing file (``None``: do not check), id of a new one.
+            file_id: expected id of an existing file (``None``: do not check), id of a new one
+                (``fresh``); a file that is expected and missing is refused.
             pin: page-lock the mapping for fast DMA (``cudaHostRegister``; CUDA only).
         Raises:
-            SpaceError: the file does not fit; HeaderMismatchError: an existing file is another pool's.
+            SpaceError: the file does not fit; HeaderMismatchError: an existing file is another pool's;
+            PoolFileMissingError: ``file_id`` was given, ``fresh`` was not, and the file is gone.
         """
         self.layout = layout
         self.kind = kind

@@ -80,6 +80,8 @@ class TierStore:
         Raises:
             SpaceError: a tier does not fit (message has the asked and free bytes).
             HeaderMismatchError: an existing file belongs to another layout, version or file id.
+            PoolFileMissingError: a tier in ``file_ids`` has no file (never recreated under the
+                saved id: an empty file would pass for the one the caller's index describes).
         """
         self.layout = layout
         self.name = name or f"prefixd-{layout.digest().hex()[:16]}"

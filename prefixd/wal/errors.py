@@ -21,17 +21,21 @@ class WalCorruptError(WalError):
 
     Attributes:
         lsn: log sequence number of the bad record (for a checkpoint: the checkpoint lsn);
-            -1 when LMDB itself found a damaged page and no record can be named.
+            -1 when LMDB itself found a damaged page and no record can be named; None when the
+            damage was found by what the records say, not where.
         reason: what failed, in words.
     """
 
-    def __init__(self, lsn: int, reason: str, path: str | None = None) -> None:
+    ADVICE = ("the state directory is damaged: restore it from a backup, or move it aside to "
+              "start a new cache there (its cached blocks are lost)")
+
+    def __init__(self, lsn: int | None, reason: str, path: str | None = None) -> None:
         self.lsn = lsn
         self.reason = reason
         self.path = path
         where = f" in {path}" if path else ""
-        at = f"at lsn {lsn}" if lsn >= 0 else "(a damaged LMDB page)"
-        super().__init__(f"corrupt write-ahead log {at}{where}: {reason}")
+        at = "" if lsn is None else f" at lsn {lsn}" if lsn >= 0 else " (a damaged LMDB page)"
+        super().__init__(f"corrupt write-ahead log{at}{where}: {reason}; {self.ADVICE}")
 
 
 class WalFailedError(WalError):

@@ -29,6 +29,46 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+class Prefetch:
+    """A helper thread that reads the log tail into the page cache while recovery loads the
+    checkpoint (``Wal.prefetch``); a hint only: replay reads and checks every record itself.
+
+    Invariant: its read transaction ends when the thread does, and ``stop()`` ends the thread
+    within one lookup (the loop checks the event before each), so no error path waits on it
+    for longer than ``STOP_TIMEOUT_S``; the thread is a daemon, so it never holds up the
+    interpreter's exit either.
+    """
+
+    STOP_TIMEOUT_S = 5.0
+
+    def __init__(self, wenv: WalEnv, after_lsn: int) -> None:
+        self._stop = threading.Event()
+        self.lookups = 0
+        self._thread = threading.Thread(target=self._run, args=(wenv, after_lsn),
+                                        name="prefixd-wal-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self, wenv: WalEnv, after_lsn: int) -> None:
+        try:
+            self.lookups = prefetch(wenv, after_lsn, stop=self._stop)
+        except Exception as exc:  # a hint only: replay reads (and checks) everything itself
+            log.debug("wal prefetch stopped: %r", exc)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait for the thread to end by itself, at most ``timeout_s``; returns whether it ended."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> bool:
+        """Ask the thread to end and wait for it, at most ``timeout_s``; returns whether it ended."""
+        self._stop.set()
+        return self.join(timeout_s)
+
+
 class Wal:
     """The write-ahead log of a state directory. See the ``prefixd.wal`` docstring for the format.
 
@@ -93,6 +133,7 @@ class Wal:
             raise
         self._closed = False
         self._close_lock = threading.Lock()
+        self._prefetches: list[Prefetch] = []
         # NOTE: the hot path skips one Python frame: the instance attribute shadows the method
         # below, which stays for its documentation.
         self.append = self._committer.append  # type: ignore[method-assign]
@@ -231,20 +272,13 @@ class Wal:
         """
         return replay(self._env(), after_lsn)
 
-    def prefetch(self, after_lsn: int = 0) -> threading.Thread:
-        """Start a thread that reads the log after ``after_lsn`` into the page cache (see
-        ``prefixd.wal.reader.prefetch``); join it before closing the Wal."""
-        wenv = self._env()
-
-        def run() -> None:
-            try:
-                prefetch(wenv, after_lsn)
-            except Exception as exc:  # a hint only: replay reads (and checks) everything itself
-                log.debug("wal prefetch stopped: %r", exc)
-
-        thread = threading.Thread(target=run, name="prefixd-wal-prefetch", daemon=True)
-        thread.start()
-        return thread
+    def prefetch(self, after_lsn: int = 0) -> Prefetch:
+        """Start a helper thread that reads the log after ``after_lsn`` into the page cache (see
+        ``prefixd.wal.reader.prefetch``). Call ``stop()`` on the result once replay is done (or
+        has failed); ``close`` stops any still running."""
+        prefetching = Prefetch(self._env(), after_lsn)
+        self._prefetches = [p for p in self._prefetches if p.running] + [prefetching]
+        return prefetching
 
     def replay_batches(self, after_lsn: int = 0) -> Iterator[tuple[int, list[bytes]]]:
         """``replay``, as ``(lsn of the first, raw verified values)`` batches (see
@@ -287,11 +321,17 @@ class Wal:
         if self._wenv is not None and self._wenv.in_forked_child:
             self._wenv.close()
             return
+        stuck = [p for p in self._prefetches if not p.stop()]
         try:
             self._committer.close()
         finally:
             assert self._wenv is not None
-            self._wenv.close()
+            if stuck:  # pragma: no cover - LMDB lookups are bounded by the tree depth
+                # NOTE: unmapping the file under a reader that is still inside LMDB would crash
+                # the process; the environment stays open (and registered) until it exits.
+                log.error("wal prefetch did not stop; environment left open path=%s", self.state_dir)
+            else:
+                self._wenv.close()
             self._lock.release()
 
     def __enter__(self) -> Wal:

@@ -209,7 +209,7 @@ def test_prefetch_touches_the_log_after_an_lsn_and_ends(state_dir, open_wal):
     wal.flush().result()
     assert prefetch(wal._env(), 0, step=8) == 13  # lsns 1, 9, ..., 97
     assert prefetch(wal._env(), 95, step=8) == 1
-    thread = wal.prefetch(0)
-    thread.join(10)
-    assert not thread.is_alive()
+    prefetching = wal.prefetch(0)
+    assert prefetching.join(10)
+    assert prefetching.lookups == 13
     assert [r.lsn for r in wal.replay()] == list(range(1, 101))  # a hint: nothing changed
