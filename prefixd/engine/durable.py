@@ -70,6 +70,7 @@ class DurableCache:
         num_blocks: ``(device, host, disk)`` pool sizes in blocks.
         tenant_salt: mixed into the root hash: tenants never share blocks.
         sync: WAL fsync policy, ``commit`` / ``interval`` / ``none``.
+        sync_interval_ms: the fsync period of ``interval``.
         write_policy, policy: see ``PrefixCache``.
         verify: ``lazy`` (disk checksums checked when a block is promoted) or ``eager`` (all
             disk blocks checked during recovery too).
@@ -86,7 +87,8 @@ class DurableCache:
                  sync: str = "commit", write_policy: str = "write_through", policy: str = "lru",
                  verify: str = "lazy", shm_dir: str = "/dev/shm", reclaim_grace_s: float = 30.0,
                  checkpoint_records: int = 100_000, spill_blocks: int = 256,
-                 use_cuda: bool | None = False, forget_missing_tier: bool = False) -> None:
+                 use_cuda: bool | None = False, sync_interval_ms: float = 1000.0,
+                 forget_missing_tier: bool = False) -> None:
         if verify not in ("lazy", "eager"):
             raise ValueError(f"verify must be 'lazy' or 'eager', got {verify!r}")
         sizes = tuple(num_blocks)
@@ -103,7 +105,7 @@ class DurableCache:
         self.forget_missing_tier = forget_missing_tier
         os.makedirs(state_dir, exist_ok=True)
         phases = {}
-        self.wal = Wal(state_dir, layouts=layout.to_bytes(), sync=sync)
+        self.wal = Wal(state_dir, layouts=layout.to_bytes(), sync=sync, interval_ms=sync_interval_ms)
         try:
             # NOTE: recovery allocates millions of objects that all stay alive; the collector
             # would walk them again and again for nothing (measured: a third of a 1M-block

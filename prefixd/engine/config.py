@@ -1,0 +1,422 @@
+"""``EngineConfig``: every setting of the durable engine, validated once, loadable from TOML.
+
+The daemon's config file holds an ``[engine]`` table (and tables of its own, which the engine
+ignores)::
+
+    [engine]
+    sync = "commit"            # "commit" | "interval" | "none"
+    sync_interval_ms = 1000    # the fsync period of "interval"
+    write_policy = "write_through"
+    eviction = "lru"
+    verify = "lazy"            # "lazy" | "eager"
+    checkpoint_records = 100000
+    # checkpoint_blocks = 1000000   # absent: the engine's default
+    spill_blocks = 256
+    reclaim_grace_s = 30.0
+    shm_dir = "/dev/shm"
+    use_cuda = false           # true | false | "auto"
+    forget_missing_tier = false
+
+    [engine.blocks]            # pool sizes in blocks, per pool (tenant x layout)
+    device = 1024
+    host = 4096
+    disk = 16384
+
+    [engine.blocks.models."tiny-llama"]   # per model_id; missing tiers keep the defaults
+    device = 256
+
+    [[engine.tenants]]
+    name = "default"
+    salt = ""
+
+Every value is checked in ``__post_init__`` (so a config built in code is checked too), and a
+bad one raises ``ConfigError`` saying which key to change and to what. Unknown keys are errors
+that name the known ones: a misspelt key silently left at its default is worse than a refusal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from typing import Any
+
+from prefixd.api.layout import KVLayout
+from prefixd.cache.policy import POLICIES
+from prefixd.cache.tiering import WRITE_POLICIES
+from prefixd.engine.errors import ConfigError
+
+SYNC_MODES = ("commit", "interval", "none")
+VERIFY_MODES = ("lazy", "eager")
+# NOTE: a tenant name is a directory name under the state directory and a socket file stem:
+# no separators, no leading dot, nothing a shell or a path join could misread.
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _choice(key: str, value, choices) -> None:
+    if value not in choices:
+        listed = ", ".join(repr(c) for c in choices)
+        raise ConfigError(f"engine.{key} must be one of {listed}, got {value!r}: "
+                          f"set [engine] {key} = \"{choices[0]}\" (or another of them)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TierSizes:
+    """Pool sizes in blocks of one pool: ``device`` >= 1, and a ``host`` or a ``disk`` tier
+    (device blocks do not survive a restart, so a durable pool needs one of them)."""
+
+    device: int = 1024
+    host: int = 4096
+    disk: int = 16384
+
+    def __post_init__(self) -> None:
+        for tier in ("device", "host", "disk"):
+            value = getattr(self, tier)
+            if not _is_int(value) or value < 0:
+                raise ConfigError(f"engine.blocks.{tier} must be a block count >= 0, got "
+                                  f"{value!r}: set [engine.blocks] {tier} = <blocks>")
+        if self.device < 1:
+            raise ConfigError("engine.blocks.device must be >= 1 (the device tier serves every "
+                              f"request), got {self.device}: set [engine.blocks] device = <blocks>")
+        if not self.host and not self.disk:
+            raise ConfigError("engine.blocks needs a host or a disk tier (device blocks do not "
+                              "survive a restart): set [engine.blocks] host or disk > 0")
+
+    def as_tuple(self) -> tuple[int, int, int]:
+        """``(device, host, disk)``, the form ``DurableCache`` takes."""
+        return (self.device, self.host, self.disk)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tenant:
+    """One tenant: a name (safe as a directory name) and the salt that enters its root hash.
+
+    ``salt`` is bytes; a ``str`` given here is taken as UTF-8 (what a TOML file holds).
+    """
+
+    name: str
+    salt: bytes = b""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not TENANT_NAME.fullmatch(self.name):
+            raise ConfigError(
+                f"tenant name {self.name!r} is not allowed: use 1..64 letters, digits, '_', '-' "
+                f"or '.', starting with a letter or digit (it names a directory)")
+        if isinstance(self.salt, str):
+            object.__setattr__(self, "salt", self.salt.encode())
+        if not isinstance(self.salt, bytes):
+            raise ConfigError(f"tenant {self.name!r}: salt must be a string or bytes, "
+                              f"got {type(self.salt).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Every engine setting and its default.
+
+    Attributes:
+        blocks: pool sizes of every pool (each (tenant, layout) pool gets them in full).
+        model_blocks: ``(model_id, TierSizes)`` pairs that replace ``blocks`` for a layout.
+        sync, sync_interval_ms: the WAL's fsync policy (``prefixd.wal.Wal``).
+        write_policy: ``write_through`` / ``write_back`` / ``selective`` (``prefixd.cache.tiering``).
+        eviction: the eviction order (``prefixd.cache.policy``).
+        verify: ``lazy`` (disk checksums checked on promotion) or ``eager`` (also at recovery).
+        checkpoint_records: fold the log into a checkpoint after this many records.
+        checkpoint_blocks: fold once the log tail names this many blocks (None: the engine's
+            default, or no such trigger where the engine has none).
+        spill_blocks: batch size of write-through to disk.
+        reclaim_grace_s: how long recovered sequences wait for their client.
+        shm_dir: where host (and CPU device) pool files live.
+        use_cuda: device tier on the GPU: True, False, or None (when CUDA is available).
+        forget_missing_tier: a pool file gone from disk drops its blocks from the index at
+            recovery (counted) instead of refusing to start.
+        tenants: the tenants served; names and salts are unique.
+
+    NOTE: frozen and validated once: the daemon builds one at start (and one per reload) and
+    hands each constructor only the values it needs, so no component reads a half-valid config.
+    """
+
+    blocks: TierSizes = TierSizes()
+    model_blocks: tuple[tuple[str, TierSizes], ...] = ()
+    sync: str = "commit"
+    sync_interval_ms: float = 1000.0
+    write_policy: str = "write_through"
+    eviction: str = "lru"
+    verify: str = "lazy"
+    checkpoint_records: int = 100_000
+    checkpoint_blocks: int | None = None
+    spill_blocks: int = 256
+    reclaim_grace_s: float = 30.0
+    shm_dir: str = "/dev/shm"
+    use_cuda: bool | None = False
+    forget_missing_tier: bool = False
+    tenants: tuple[Tenant, ...] = (Tenant("default"),)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.blocks, TierSizes):
+            raise ConfigError(f"engine.blocks must be TierSizes, got {type(self.blocks).__name__}")
+        object.__setattr__(self, "model_blocks", tuple(tuple(p) for p in self.model_blocks))
+        seen_models = set()
+        for pair in self.model_blocks:
+            if (len(pair) != 2 or not isinstance(pair[0], str) or not pair[0]
+                    or not isinstance(pair[1], TierSizes)):
+                raise ConfigError(f"engine.model_blocks entries must be (model_id, TierSizes), "
+                                  f"got {pair!r}")
+            if pair[0] in seen_models:
+                raise ConfigError(f"engine.blocks.models names {pair[0]!r} twice: keep one")
+            seen_models.add(pair[0])
+        _choice("sync", self.sync, SYNC_MODES)
+        if not _is_number(self.sync_interval_ms) or self.sync_interval_ms <= 0:
+            raise ConfigError(f"engine.sync_interval_ms must be a number of milliseconds > 0, "
+                              f"got {self.sync_interval_ms!r}: set [engine] sync_interval_ms = 1000")
+        _choice("write_policy", self.write_policy, WRITE_POLICIES)
+        _choice("eviction", self.eviction, tuple(POLICIES))
+        _choice("verify", self.verify, VERIFY_MODES)
+        for key in ("checkpoint_records", "spill_blocks"):
+            value = getattr(self, key)
+            if not _is_int(value) or value < 1:
+                raise ConfigError(f"engine.{key} must be an integer >= 1, got {value!r}: "
+                                  f"set [engine] {key} = <count>")
+        if self.checkpoint_blocks is not None and (
+                not _is_int(self.checkpoint_blocks) or self.checkpoint_blocks < 1):
+            raise ConfigError(f"engine.checkpoint_blocks must be an integer >= 1, got "
+                              f"{self.checkpoint_blocks!r}: set [engine] checkpoint_blocks = "
+                              f"<blocks>, or leave it out for the engine's default")
+        if not _is_number(self.reclaim_grace_s) or self.reclaim_grace_s < 0:
+            raise ConfigError(f"engine.reclaim_grace_s must be a number of seconds >= 0, got "
+                              f"{self.reclaim_grace_s!r}: set [engine] reclaim_grace_s = 30")
+        if not isinstance(self.shm_dir, str) or not self.shm_dir:
+            raise ConfigError(f"engine.shm_dir must be a directory path, got {self.shm_dir!r}: "
+                              f"set [engine] shm_dir = \"/dev/shm\"")
+        if self.use_cuda not in (True, False, None):
+            raise ConfigError(f"engine.use_cuda must be true, false or \"auto\", got "
+                              f"{self.use_cuda!r}: set [engine] use_cuda = false")
+        if not isinstance(self.forget_missing_tier, bool):
+            raise ConfigError(f"engine.forget_missing_tier must be true or false, got "
+                              f"{self.forget_missing_tier!r}")
+        self._check_tenants()
+
+    def _check_tenants(self) -> None:
+        tenants = tuple(self.tenants)
+        object.__setattr__(self, "tenants", tenants)
+        if not tenants:
+            raise ConfigError("engine.tenants is empty: add at least one [[engine.tenants]] "
+                              "with a name and a salt")
+        names: dict[str, str] = {}
+        salts: dict[bytes, str] = {}
+        for tenant in tenants:
+            if not isinstance(tenant, Tenant):
+                raise ConfigError(f"engine.tenants entries must be Tenant, got {tenant!r}")
+            if tenant.name in names:
+                raise ConfigError(f"engine.tenants names {tenant.name!r} twice: give each "
+                                  f"tenant its own name")
+            names[tenant.name] = tenant.name
+            # NOTE: the salt namespaces a tenant's blocks beyond this host too (cluster-tier
+            # keys): two tenants with one salt would share keys there.
+            if tenant.salt in salts:
+                raise ConfigError(f"tenants {salts[tenant.salt]!r} and {tenant.name!r} have the "
+                                  f"same salt: give each tenant its own salt")
+            salts[tenant.salt] = tenant.name
+
+    # -- lookups --------------------------------------------------------------------------------
+
+    def tenant(self, name: str) -> Tenant | None:
+        """The configured tenant called ``name``, or None."""
+        for tenant in self.tenants:
+            if tenant.name == name:
+                return tenant
+        return None
+
+    def blocks_for(self, layout: KVLayout) -> TierSizes:
+        """The pool sizes of a pool of ``layout`` (its model's override, else ``blocks``)."""
+        for model_id, sizes in self.model_blocks:
+            if model_id == layout.model_id:
+                return sizes
+        return self.blocks
+
+    # -- TOML ------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_toml(cls, source: str | os.PathLike | bytes) -> "EngineConfig":
+        """Load the ``[engine]`` table of a TOML document (a path, or the document's bytes).
+
+        A document without an ``[engine]`` table gives the defaults; other tables are ignored.
+
+        Raises:
+            ConfigError: unreadable file, bad TOML, or a bad value (the message says which).
+        """
+        if isinstance(source, bytes):
+            where, text = "<bytes>", source.decode("utf-8", "replace")
+        else:
+            where = os.fspath(source)
+            try:
+                with open(where, "rb") as f:
+                    text = f.read().decode("utf-8", "replace")
+            except OSError as exc:
+                raise ConfigError(f"cannot read config file {where}: {exc.strerror}") from exc
+        try:
+            doc = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config {where} is not valid TOML: {exc}") from exc
+        table = doc.get("engine", {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"config {where}: engine must be a table ([engine]), got {table!r}")
+        return cls.from_mapping(table)
+
+    @classmethod
+    def from_mapping(cls, table: Mapping[str, Any]) -> "EngineConfig":
+        """Build from the ``[engine]`` table as a mapping (what ``tomllib`` returns).
+
+        Raises:
+            ConfigError: an unknown key (naming the known ones) or a bad value.
+        """
+        return cls(**_parse_engine_table(table))
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The ``[engine]`` table that ``from_mapping`` turns back into this config.
+
+        Raises:
+            ConfigError: a tenant salt that is not UTF-8 text (TOML holds only text).
+        """
+        blocks: dict[str, Any] = dataclasses.asdict(self.blocks)
+        if self.model_blocks:
+            blocks["models"] = {m: dataclasses.asdict(s) for m, s in self.model_blocks}
+        table: dict[str, Any] = {key: getattr(self, key) for key in _SCALAR_KEYS}
+        table["use_cuda"] = "auto" if self.use_cuda is None else self.use_cuda
+        if self.checkpoint_blocks is None:
+            del table["checkpoint_blocks"]
+        table["blocks"] = blocks
+        tenants = []
+        for t in self.tenants:
+            try:
+                tenants.append({"name": t.name, "salt": t.salt.decode()})
+            except UnicodeDecodeError:
+                raise ConfigError(f"tenant {t.name!r}: its salt is not UTF-8 text and cannot be "
+                                  f"written to a TOML file; use a text salt") from None
+        table["tenants"] = tenants
+        return table
+
+    def to_toml(self) -> str:
+        """This config as a TOML document with one ``[engine]`` table (``from_toml`` reads it)."""
+        lines: list[str] = []
+        _dump_table("engine", self.to_mapping(), lines)
+        return "\n".join(lines) + "\n"
+
+
+# -- the TOML form ----------------------------------------------------------------------------------
+
+_SCALAR_KEYS = ("sync", "sync_interval_ms", "write_policy", "eviction", "verify",
+                "checkpoint_records", "checkpoint_blocks", "spill_blocks", "reclaim_grace_s",
+                "shm_dir", "use_cuda", "forget_missing_tier")
+ENGINE_KEYS = _SCALAR_KEYS + ("blocks", "tenants")
+_TIER_KEYS = ("device", "host", "disk")
+
+
+def _refuse_unknown(where: str, table: Mapping[str, Any], known) -> None:
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown key{'s' if len(unknown) > 1 else ''} "
+                          f"{', '.join(repr(k) for k in unknown)} in [{where}]: the known keys "
+                          f"are {', '.join(known)}")
+
+
+def _table(where: str, value) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"[{where}] must be a table, got {value!r}")
+    return value
+
+
+def _parse_engine_table(table: Mapping[str, Any]) -> dict[str, Any]:
+    """``EngineConfig`` keyword arguments from an ``[engine]`` table (values checked later)."""
+    table = _table("engine", table)
+    _refuse_unknown("engine", table, ENGINE_KEYS)
+    kwargs = {key: table[key] for key in _SCALAR_KEYS if key in table}
+    if kwargs.get("use_cuda") == "auto":
+        kwargs["use_cuda"] = None
+    if "blocks" in table:
+        blocks = _table("engine.blocks", table["blocks"])
+        _refuse_unknown("engine.blocks", blocks, _TIER_KEYS + ("models",))
+        default = TierSizes(**{k: blocks[k] for k in _TIER_KEYS if k in blocks})
+        kwargs["blocks"] = default
+        models = []
+        for model_id, sizes in _table("engine.blocks.models", blocks.get("models", {})).items():
+            where = f'engine.blocks.models."{model_id}"'
+            sizes = _table(where, sizes)
+            _refuse_unknown(where, sizes, _TIER_KEYS)
+            try:
+                models.append((model_id, dataclasses.replace(default, **sizes)))
+            except ConfigError as exc:
+                raise ConfigError(f"in [{where}]: {exc}") from None
+        kwargs["model_blocks"] = tuple(models)
+    if "tenants" in table:
+        tenants = table["tenants"]
+        if not isinstance(tenants, list):
+            raise ConfigError("engine.tenants must be an array of tables: write each tenant as "
+                              "[[engine.tenants]] with name = \"...\" and salt = \"...\"")
+        parsed = []
+        for i, entry in enumerate(tenants):
+            entry = _table(f"engine.tenants[{i}]", entry)
+            _refuse_unknown(f"engine.tenants[{i}]", entry, ("name", "salt"))
+            if "name" not in entry:
+                raise ConfigError(f"[[engine.tenants]] number {i + 1} has no name: "
+                                  f"add name = \"...\"")
+            salt = entry.get("salt", "")
+            if not isinstance(salt, str):
+                raise ConfigError(f"tenant {entry['name']!r}: salt must be a string, got {salt!r}")
+            parsed.append(Tenant(entry["name"], salt))
+        kwargs["tenants"] = tuple(parsed)
+    return kwargs
+
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.fullmatch(key) else _toml_string(key)
+
+
+def _toml_string(text: str) -> str:
+    # JSON string escapes are TOML basic-string escapes; DEL must be escaped in TOML too.
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return _toml_string(value)
+    raise ConfigError(f"cannot write {value!r} as a TOML value")
+
+
+def _dump_table(name: str, table: Mapping[str, Any], lines: list[str]) -> None:
+    """Append ``[name]`` and its keys: scalars, then sub-tables, then arrays of tables."""
+    if lines:
+        lines.append("")
+    lines.append(f"[{name}]")
+    nested = []
+    for key, value in table.items():
+        if isinstance(value, Mapping) or isinstance(value, list):
+            nested.append((key, value))
+        else:
+            lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
+    for key, value in nested:
+        if isinstance(value, Mapping):
+            _dump_table(f"{name}.{_toml_key(key)}", value, lines)
+            continue
+        for item in value:
+            lines.extend(("", f"[[{name}.{_toml_key(key)}]]"))
+            lines.extend(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in item.items())

@@ -1,0 +1,336 @@
+"""``Engine``: every pool (tenant x KV layout) of one state directory, behind one lock.
+
+On disk::
+
+    <state_dir>/lock                                   the engine's flock (holder's pid inside)
+    <state_dir>/pools/<tenant>/<model>-<digest16>/     one DurableCache state directory per pool
+        pool.json                                      manifest: tenant, layout bytes, salt print
+        lock, wal/, *.disk.pool                        the pool's own (see DurableCache)
+
+Opening the engine takes the lock, then opens (recovering) every pool found under ``pools/``;
+``pool(tenant, layout)`` opens or creates one. The manifest is what makes a pool recoverable
+by name: it is written (and fsynced, with its directory entries) before the pool's WAL exists,
+so a pool directory either has a manifest or was never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import os
+import re
+from typing import NamedTuple
+
+from prefixd.api.layout import KVLayout
+from prefixd.engine.config import EngineConfig, Tenant
+from prefixd.engine.durable import DurableCache
+from prefixd.engine.errors import ConfigError, EngineError, PoolDirError, UnknownTenantError
+from prefixd.wal.lock import StateDirLock
+
+log = logging.getLogger(__name__)
+
+POOLS_DIR = "pools"
+MANIFEST = "pool.json"
+MANIFEST_FORMAT = 1
+
+# DurableCache keywords that not every build has: (name, the value that means "not asked for")
+_OPTIONAL_KEYWORDS = (("sync_interval_ms", 1000.0), ("checkpoint_blocks", None),
+                      ("forget_missing_tier", False))
+
+
+class PoolInfo(NamedTuple):
+    """One pool as ``Engine.pools()`` lists it."""
+
+    tenant: str
+    layout: KVLayout
+    path: str
+    num_blocks: tuple[int, int, int]  # indexed blocks resident per tier (device, host, disk)
+    capacity: tuple[int, int, int]  # pool sizes in blocks (device, host, disk)
+
+
+def pool_dir_name(layout: KVLayout) -> str:
+    """The directory of a layout's pool: readable model id, then the layout digest (the key)."""
+    model = re.sub(r"[^A-Za-z0-9_.-]", "_", layout.model_id)[:48].lstrip(".") or "model"
+    return f"{model}-{layout.digest()[:8].hex()}"
+
+
+def salt_print(salt: bytes) -> str:
+    """What a manifest keeps of a tenant's salt: enough to notice a change, not the salt."""
+    return hashlib.blake2b(salt, digest_size=16, person=b"prefixd-salt").hexdigest()
+
+
+def cache_kwargs(config: EngineConfig, tenant: Tenant) -> dict:
+    """The ``DurableCache`` keywords of one pool of ``tenant``, from ``config``.
+
+    Raises:
+        ConfigError: a setting is asked for (not at its default) that this build's
+            ``DurableCache`` does not take.
+    """
+    kwargs = dict(tenant_salt=tenant.salt, sync=config.sync, write_policy=config.write_policy,
+                  policy=config.eviction, verify=config.verify, shm_dir=config.shm_dir,
+                  reclaim_grace_s=config.reclaim_grace_s,
+                  checkpoint_records=config.checkpoint_records, spill_blocks=config.spill_blocks,
+                  use_cuda=config.use_cuda)
+    # NOTE: these keywords are being added to DurableCache by parallel work; a setting this
+    # build cannot honour is refused rather than silently ignored.
+    accepted = inspect.signature(DurableCache).parameters
+    for name, unset in _OPTIONAL_KEYWORDS:
+        value = getattr(config, name)
+        if name in accepted:
+            if value is not None:
+                kwargs[name] = value
+        elif value != unset:
+            raise ConfigError(f"engine.{name} = {value!r} is not supported by this build's "
+                              f"engine: remove it from [engine]")
+    return kwargs
+
+
+class Engine:
+    """The durable engine of one state directory: one ``DurableCache`` per (tenant, layout).
+
+    Args:
+        state_dir: created if missing; holds the engine lock and ``pools/``.
+        config: every setting (default: ``EngineConfig()``). Each pool gets the configured
+            pool sizes in full (``config.blocks_for(layout)``): with P pools the engine may use
+            P times the configured memory and disk; a budget shared across pools is future work.
+
+    Raises (on open):
+        StateLockedError: another engine (in this or another process) holds ``state_dir``; the
+            message names its pid.
+        PoolDirError: a pool directory cannot be opened as the pool it claims to be.
+        ConfigError: a pool of a configured tenant needs a setting this build does not take.
+        and whatever ``DurableCache`` raises while recovering a pool (every pool opened before
+        it is closed again, and the lock released).
+
+    Invariants: the lock is held iff the engine is open; ``_pools`` maps (tenant name, layout)
+    to an open ``DurableCache`` whose directory is ``pool_path(tenant, layout)`` and holds a
+    manifest naming that tenant and layout; no two pools share a shm file name (each pool's
+    root seed is its own, and TierStore names its files by root seed and layout digest).
+
+    NOTE: one state subdirectory (own WAL, own pool files) per pool, not one WAL with a pool
+    id in every record: see docs/design.md "Engine: configuration and several pools".
+
+    Not thread-safe, like ``DurableCache``: one caller at a time.
+    """
+
+    def __init__(self, state_dir: str, config: EngineConfig | None = None) -> None:
+        self.config = config if config is not None else EngineConfig()
+        if not isinstance(self.config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(self.config).__name__}")
+        self.state_dir = os.path.abspath(state_dir)
+        self._lock: StateDirLock | None = StateDirLock(self.state_dir)  # before anything else
+        self._pools: dict[tuple[str, KVLayout], DurableCache] = {}
+        self.unconfigured: list[str] = []  # pool directories of tenants no longer configured
+        try:
+            for tenant, layout in self._found():
+                self._pools[(tenant.name, layout)] = self._open(tenant, layout)
+        except BaseException:
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 - the open's own error is the one to raise
+                log.exception("closing the pools after a failed open failed too")
+            raise
+        log.info("engine ready state_dir=%s pools=%d unconfigured=%d", self.state_dir,
+                 len(self._pools), len(self.unconfigured))
+
+    # -- pools -------------------------------------------------------------------------------------
+
+    def pool(self, tenant: str, layout: KVLayout) -> DurableCache:
+        """The pool of ``tenant`` and ``layout``, created (empty) if it does not exist yet.
+
+        Raises:
+            UnknownTenantError: ``tenant`` is not in the configuration.
+            EngineError: the engine is closed.
+        """
+        self._check_open()
+        dc = self._pools.get((tenant, layout))
+        if dc is not None:
+            return dc
+        conf = self.config.tenant(tenant)
+        if conf is None:
+            raise UnknownTenantError(tenant, [t.name for t in self.config.tenants])
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
+        _write_manifest(self.pool_path(tenant, layout), conf, layout)
+        dc = self._pools[(tenant, layout)] = self._open(conf, layout)
+        log.info("pool created tenant=%s model=%s path=%s", tenant, layout.model_id,
+                 self.pool_path(tenant, layout))
+        return dc
+
+    def pools(self) -> list[PoolInfo]:
+        """Every open pool, sorted by tenant then model id."""
+        self._check_open()
+        out = []
+        for (tenant, layout), dc in sorted(self._pools.items(),
+                                           key=lambda kv: (kv[0][0], kv[0][1].to_bytes())):
+            capacity = tuple(a.num_slots if a is not None else 0 for a in dc.cache.allocators)
+            out.append(PoolInfo(tenant, layout, dc.state_dir,
+                                tuple(dc.cache.tree.num_blocks_in), capacity))
+        return out
+
+    def pool_path(self, tenant: str, layout: KVLayout) -> str:
+        """Where the pool of ``tenant`` and ``layout`` lives (whether or not it exists)."""
+        return os.path.join(self.state_dir, POOLS_DIR, tenant, pool_dir_name(layout))
+
+    # -- periodic work -----------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Every pool's periodic work (spill, expire unclaimed recovered sequences). Every pool
+        is ticked even if one fails; the first failure is raised after."""
+        self._check_open()
+        self._each(lambda dc: dc.tick())
+
+    def checkpoint(self) -> dict[tuple[str, KVLayout], int]:
+        """Checkpoint every pool; returns each pool's checkpoint lsn."""
+        self._check_open()
+        lsns = {}
+
+        def one(key, dc):
+            lsns[key] = dc.checkpoint()
+
+        self._each(one, with_key=True)
+        return lsns
+
+    def close(self) -> None:
+        """Close every pool (no checkpoint), then release the lock. Idempotent; every pool is
+        closed even if one fails, and the first failure is raised after."""
+        if self._lock is None:
+            return
+        try:
+            self._each(lambda dc: dc.close())
+        finally:
+            self._pools.clear()
+            self._lock.release()
+            self._lock = None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def check_invariants(self) -> None:
+        self._check_open()
+        self._lock.check_invariants()
+        names = set()
+        for (tenant, layout), dc in self._pools.items():
+            assert dc.state_dir == self.pool_path(tenant, layout), (dc.state_dir, tenant)
+            assert dc.layout == layout
+            assert dc.store.name not in names, f"two pools share shm file name {dc.store.name}"
+            names.add(dc.store.name)
+            dc.check_invariants()
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._lock is None:
+            raise EngineError(f"the engine of {self.state_dir} is closed: open a new Engine")
+
+    def _each(self, fn, *, with_key: bool = False) -> None:
+        first = None
+        for key, dc in list(self._pools.items()):
+            try:
+                fn(key, dc) if with_key else fn(dc)
+            except Exception as exc:  # noqa: BLE001 - raised below, after the other pools
+                log.error("pool failed tenant=%s model=%s error=%r", key[0], key[1].model_id, exc)
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def _open(self, tenant: Tenant, layout: KVLayout) -> DurableCache:
+        sizes = self.config.blocks_for(layout).as_tuple()
+        os.makedirs(self.config.shm_dir, exist_ok=True)
+        return DurableCache(self.pool_path(tenant.name, layout), layout, sizes,
+                            **cache_kwargs(self.config, tenant))
+
+    def _found(self) -> list[tuple[Tenant, KVLayout]]:
+        """The pools on disk whose tenant is configured, each checked against its manifest."""
+        root = os.path.join(self.state_dir, POOLS_DIR)
+        if not os.path.isdir(root):
+            return []
+        found = []
+        for tenant_name in sorted(os.listdir(root)):
+            tenant_dir = os.path.join(root, tenant_name)
+            if not os.path.isdir(tenant_dir):
+                continue
+            tenant = self.config.tenant(tenant_name)
+            if tenant is None:
+                # NOTE: a tenant taken out of the configuration keeps its pools on disk, unseen
+                # and unserved; adding it back (same salt) serves them again.
+                log.warning("pools of an unconfigured tenant left closed path=%s", tenant_dir)
+                self.unconfigured.append(tenant_dir)
+                continue
+            for name in sorted(os.listdir(tenant_dir)):
+                layout = _read_manifest(os.path.join(tenant_dir, name), tenant)
+                if layout is not None:
+                    found.append((tenant, layout))
+        return found
+
+
+def _read_manifest(path: str, tenant: Tenant) -> KVLayout | None:
+    """The layout of the pool in ``path``, checked; None for a creation that never finished.
+
+    Raises:
+        PoolDirError: no manifest beside pool data, a damaged one, or one that disagrees with
+            the directory's place or the tenant's salt.
+    """
+    manifest = os.path.join(path, MANIFEST)
+    if not os.path.exists(manifest):
+        leftovers = set(os.listdir(path)) - {MANIFEST + ".tmp"}
+        if leftovers:
+            raise PoolDirError(path, f"it holds {sorted(leftovers)} but no {MANIFEST}, so its "
+                               f"tenant and layout are unknown: restore {MANIFEST} from a backup, "
+                               f"or move the directory out of the state directory")
+        # a pool() that crashed before its manifest landed: nothing was ever stored in it
+        for leftover in os.listdir(path):
+            os.unlink(os.path.join(path, leftover))
+        os.rmdir(path)
+        log.info("removed the directory of a pool whose creation never finished path=%s", path)
+        return None
+    try:
+        with open(manifest, "rb") as f:
+            meta = json.loads(f.read())
+        if meta.get("format") != MANIFEST_FORMAT:
+            raise ValueError(f"manifest format {meta.get('format')!r}, this build reads "
+                             f"{MANIFEST_FORMAT}")
+        layout = KVLayout.from_bytes(bytes.fromhex(meta["layout"]))
+        tenant_name, printed = meta["tenant"], meta["salt_print"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise PoolDirError(path, f"{MANIFEST} cannot be read ({exc}): restore it from a backup, "
+                           f"or move the directory out of the state directory") from exc
+    if tenant_name != tenant.name or pool_dir_name(layout) != os.path.basename(path):
+        raise PoolDirError(path, f"{MANIFEST} names tenant {tenant_name!r} and a layout stored "
+                           f"as {pool_dir_name(layout)!r}, not this directory: move it back "
+                           f"where it came from")
+    if printed != salt_print(tenant.salt):
+        raise PoolDirError(path, f"tenant {tenant.name!r} has a different salt than when this "
+                           f"pool was made, and its blocks were named under the old one: restore "
+                           f"the old salt in [[engine.tenants]], or delete the directory to "
+                           f"drop that cache")
+    return layout
+
+
+def _write_manifest(path: str, tenant: Tenant, layout: KVLayout) -> None:
+    """Write ``path/pool.json`` durably (file, then every new directory entry up to the state
+    directory) before anything else is put in ``path``."""
+    os.makedirs(path, mode=0o750, exist_ok=True)
+    data = json.dumps({"format": MANIFEST_FORMAT, "tenant": tenant.name,
+                       "model_id": layout.model_id, "layout": layout.to_bytes().hex(),
+                       "salt_print": salt_print(tenant.salt)}, indent=1).encode()
+    tmp = os.path.join(path, MANIFEST + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, os.path.join(path, MANIFEST))
+    tenant_dir = os.path.dirname(path)
+    for directory in (path, tenant_dir, os.path.dirname(tenant_dir)):
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
