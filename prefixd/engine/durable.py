@@ -17,13 +17,15 @@ import gc
 import logging
 import os
 import time
+from concurrent.futures import Future
 from typing import NamedTuple
 
 from prefixd.api.layout import KVLayout
-from prefixd.engine import snapshot as ckpt
+from prefixd.engine import kv_io, snapshot as ckpt
 from prefixd.engine.errors import DurabilityError
-from prefixd.cache.events import BlocksMoved
-from prefixd.cache.node import DISK, HOST, path_to
+from prefixd.cache.events import BlocksDropped, BlocksMoved, BlocksStored
+from prefixd.cache.node import DEVICE, DISK, HOST, path_to
+from prefixd.engine.ordered_log import OrderedLog, done, failed
 from prefixd.engine.records import event_records
 from prefixd.engine.recovery import recover
 from prefixd.engine.replay import ZERO_HASH
@@ -35,6 +37,21 @@ from prefixd.wal import Kind, Wal
 log = logging.getLogger(__name__)
 
 DURABILITY = ("index", "crash", "power")
+TICK_PERIOD_S = 0.1  # how often the daemon's loop is expected to call ``DurableCache.tick``
+CHECKPOINT_BLOCKS = 500_000  # default bound on the blocks a replay of the tail decodes (class NOTE)
+_BLOCK_EVENTS = (BlocksStored, BlocksMoved, BlocksDropped)
+
+
+def replay_blocks(event) -> int:
+    """The blocks a replay of ``event``'s record decodes one by one (the checkpoint trigger's
+    unit, counted alike by ``Replayer.blocks``): a stored run's hashes and tokens, the slots
+    (and checksums) of a copy into host or disk, the hashes of a forgotten run. A move into
+    the device or a drop that leaves a copy elsewhere names its run by its ends: one lookup,
+    whatever its length (the record bound covers those)."""
+    t = type(event)
+    if t is BlocksStored or (t is BlocksMoved and event.tier != DEVICE) or (t is BlocksDropped and event.forgotten):
+        return len(event.hashes)
+    return 0
 
 
 def _poison_on_storage_error(method):
@@ -77,16 +94,36 @@ class DurableCache:
         shm_dir: where the host (and CPU device) pool files live.
         reclaim_grace_s: how long recovered sequences wait for their client.
         checkpoint_records: fold the log into a checkpoint after this many records.
+        checkpoint_blocks: ... or once replaying the records since the last checkpoint would
+            decode this many blocks (``replay_blocks``; see the NOTE), whichever comes first.
         spill_blocks: batch size of write-through to disk (runs wait until this many blocks).
         forget_missing_tier: a disk pool file that is gone while the index names blocks in it
             is refused (``TierLostError``); True drops those blocks at recovery instead and
             counts them in ``recovery["forgotten_blocks"]``.
+
+    NOTE (checkpoint trigger): a restart replays every record since the last checkpoint, and
+    a record that brings per-block data costs replay per block (a BLOCK_PUT's hashes and
+    tokens, the slots and checksums of a move into host or disk, the hashes of a forgotten
+    run): with 12k-token prompts a 44k-record tail named 3.1M blocks and replayed in 2.3-3.0 s.
+    So a checkpoint is due once the tail would make replay decode ``checkpoint_blocks`` blocks
+    (``replay_blocks``), or once it holds ``checkpoint_records`` records, whichever comes
+    first; a replayed tail counts toward both until the next checkpoint. The default,
+    ``CHECKPOINT_BLOCKS``, is about what the reference 100k-record tail of ``bench/recovery.py``
+    decodes (so either bound alone costs a replay like the one that keeps a 1M-block restart
+    within its 1.0 s target); its long-prompt case shows the tail bounded.
+
+    NOTE (expiry without a timer): recovered sequences hold their blocks for
+    ``reclaim_grace_s``; every mutating call (open, extend, fork, commit, release) first
+    releases them once that has passed, so expiry never waits for ``tick``. The engine keeps
+    no timer thread: ``tick`` is periodic work the daemon's loop calls about every
+    ``TICK_PERIOD_S`` (disk write-through batches, and expiry on an idle cache).
     """
 
     def __init__(self, state_dir: str, layout: KVLayout, num_blocks, *, tenant_salt: bytes = b"",
                  sync: str = "commit", write_policy: str = "write_through", policy: str = "lru",
                  verify: str = "lazy", shm_dir: str = "/dev/shm", reclaim_grace_s: float = 30.0,
-                 checkpoint_records: int = 100_000, spill_blocks: int = 256,
+                 checkpoint_records: int = 100_000, checkpoint_blocks: int = CHECKPOINT_BLOCKS,
+                 spill_blocks: int = 256,
                  use_cuda: bool | None = False, sync_interval_ms: float = 1000.0,
                  forget_missing_tier: bool = False) -> None:
         if verify not in ("lazy", "eager"):
@@ -101,11 +138,16 @@ class DurableCache:
         self.layout = layout
         self.state_dir = state_dir
         self.checkpoint_records = checkpoint_records
+        self.checkpoint_blocks = checkpoint_blocks
+        self._tail_blocks = 0  # ``replay_blocks`` of the records since the last checkpoint
         self.spill_blocks = spill_blocks
         self.forget_missing_tier = forget_missing_tier
         os.makedirs(state_dir, exist_ok=True)
         phases = {}
         self.wal = Wal(state_dir, layouts=layout.to_bytes(), sync=sync, interval_ms=sync_interval_ms)
+        self._order = OrderedLog(self.wal)
+        self._lower_tiers, self._lower_allocs, self._headroom = [], [], []
+        self.forced_reclaims = 0
         try:
             # NOTE: recovery allocates millions of objects that all stay alive; the collector
             # would walk them again and again for nothing (measured: a third of a 1M-block
@@ -118,6 +160,7 @@ class DurableCache:
             finally:
                 if gc_was_enabled:
                     gc.enable()
+            self._serve_setup()
         except BaseException:
             self.wal.close()
             raise
@@ -126,6 +169,7 @@ class DurableCache:
 
     @_poison_on_storage_error
     def open(self, tokens, extra: bytes = b"", *, session_id: int = 0):
+        self._expire_if_due()
         seq = self.cache.open(tokens, extra)
         self._sessions[seq.id] = session_id
         self._log(session_id)
@@ -133,12 +177,14 @@ class DurableCache:
 
     @_poison_on_storage_error
     def extend(self, seq_id: int, tokens) -> list[int]:
+        self._expire_if_due()
         slots = self.cache.extend(seq_id, tokens)
         self._log()
         return slots
 
     @_poison_on_storage_error
     def fork(self, seq_id: int, num_children: int):
+        self._expire_if_due()
         children = self.cache.fork(seq_id, num_children)
         session = self._sessions.get(seq_id, 0)
         for child in children:
@@ -146,124 +192,253 @@ class DurableCache:
         self._log()
         return children
 
+    def flush(self) -> Future:
+        """A ticket resolved (``None``) once every change made so far is durable in the log
+        (disk barriers included); fails with ``WalFailedError``. Never waits itself."""
+        return self._order.ticket(self._submit_events(), None)
+
     def lookup(self, tokens, extra: bytes = b""):
+        """How many tokens of ``tokens`` are cached, without pinning anything
+        (``prefixd.cache.LookupResult``). ``cached_tokens`` counts only tokens an ``open``
+        will serve: after a restart, disk blocks whose checksums were not checked yet (lazy
+        verify) are reported apart, as ``unverified_tokens``."""
         return self.cache.lookup(tokens, extra)
 
     def sequence(self, seq_id: int):
         return self.cache.sequence(seq_id)
 
-    @_poison_on_storage_error
-    def commit(self, seq_id: int, durability: str = "crash") -> int:
-        """Index the sequence's full blocks; return once they are as durable as asked.
+    def write_kv(self, seq, start: int, kv) -> None:
+        """Write the KV of tokens ``start .. start + n`` of a live sequence into its device blocks.
+
+        Args:
+            seq: the sequence (or its id).
+            start: its first token (e.g. ``seq.cached_tokens``: what the cache did not serve).
+            kv: ``[num_layers, 2, n, num_kv_heads, head_dim]`` of the layout's dtype, any device.
+        Raises:
+            UnknownSequence; ValueError: wrong shape or dtype, or tokens past the sequence's end;
+            SharedBlockError: a token falls in an indexed block or in a partial last block shared
+                with forked siblings (nothing is written).
+        """
+        kv_io.write_kv(self.cache, self.store.pool(Tier.DEVICE).tensor, self.layout, seq, start, kv)
+
+    def read_kv(self, seq, start: int, n: int):
+        """The KV of tokens ``start .. start + n`` of a live sequence, as a new tensor
+        ``[num_layers, 2, n, num_kv_heads, head_dim]`` on the device pool's device.
 
         Raises:
-            UnknownSequence, ValueError (bad durability),
-            DurabilityError: the blocks are indexed (as at ``index``) but not as durable as
-                asked; nothing was acknowledged.
-            prefixd.wal.WalFailedError (the log can no longer make anything durable; also when
-            the disk pool's fdatasync failed, which poisons the log).
+            UnknownSequence; ValueError: tokens past the sequence's end.
+        """
+        return kv_io.read_kv(self.cache, self.store.pool(Tier.DEVICE).tensor, seq, start, n)
+
+    @_poison_on_storage_error
+    def commit(self, seq_id: int, durability: str = "crash") -> Future:
+        """Index the sequence's full blocks; return a ticket for their durability.
+
+        Never waits for an fsync. The ticket is a ``concurrent.futures.Future`` resolved with the
+        number of blocks that entered the index once they are as durable as asked (already done
+        at ``index``). An asyncio loop awaits it with ``await asyncio.wrap_future(ticket)`` (a
+        done-callback wakes the loop: no thread per waiter). Until it resolves, nothing about
+        this commit may be acknowledged to anyone.
+
+        Raises (at once, nothing indexed): UnknownSequence, ValueError (bad durability),
+            prefixd.wal.WalFailedError (the log already failed).
+        The ticket fails with:
+            DurabilityError: the blocks are indexed (as at ``index``) but cannot be made as
+                durable as asked (no room in the tier); nothing was acknowledged.
+            prefixd.wal.WalFailedError: the log can no longer make anything durable (also when
+                a disk write or its fdatasync failed, which poisons the log).
         """
         if durability not in DURABILITY:
             raise ValueError(f"durability must be one of {DURABILITY}, got {durability!r}")
+        self._expire_if_due()
         seq = self.cache.sequence(seq_id)
         added = self.cache.commit(seq_id)
-        self._make_durable(seq, durability)
-        return added
+        return self._make_durable(seq, durability, added)
 
     @_poison_on_storage_error
-    def release(self, seq_id: int, *, commit: bool = False, durability: str = "crash") -> None:
+    def release(self, seq_id: int, *, commit: bool = False, durability: str = "crash") -> Future:
+        """Drop the sequence (committing it first when asked); returns a ticket resolved with
+        ``None`` once that commit is as durable as asked (already done without ``commit``).
+        Raises and fails as ``commit``; the sequence is released either way."""
+        if commit and durability not in DURABILITY:
+            raise ValueError(f"durability must be one of {DURABILITY}, got {durability!r}")
+        self._expire_if_due()
+        ticket = None
         if commit:
-            self.commit(seq_id, durability)
+            seq = self.cache.sequence(seq_id)
+            self.cache.commit(seq_id)
+            ticket = self._make_durable(seq, durability, None)
         self.cache.release(seq_id)
         self._sessions.pop(seq_id, None)
         self._log()
+        return ticket if ticket is not None else done(None)
 
     # -- the write order -----------------------------------------------------------------------
 
-    def _make_durable(self, seq, durability: str) -> None:
+    def _make_durable(self, seq, durability: str, value) -> Future:
         """THE write order of a commit: block bytes -> (fsync) -> WAL commit -> acknowledged.
 
         1. ``index``: the blocks are already shareable; their records ride in the next group.
         2. Bytes down: every run on the sequence's path gets a copy in a tier that survives
-           what was asked (``crash``: host shm or disk; ``power``: disk).
-        3. ``_log``: if any record names a disk slot as holding data, the disk pool is
-           fdatasync'd first (data before metadata); then the records are appended.
-        4. The WAL group holding them is committed and fsynced; only then is the commit
-           acknowledged. Slots freed by evictions on the way are reusable only after this.
+           what was asked (``crash``: host shm or disk; ``power``: disk). Disk writes are
+           queued on the store's writer thread (``TierStore.write_behind``).
+        3. ``_log``: the records go into the ordered queue (``OrderedLog``); if one names a
+           disk slot as holding data, it and everything after it wait for an fdatasync of
+           the disk pool that covers the written bytes (data before metadata), then are
+           appended in order.
+        4. The ticket resolves once the WAL group holding this commit's last record is
+           committed and fsynced; only then may the commit be acknowledged. Slots freed by
+           evictions on the way become reusable once their records are durable (``_reclaim``).
+
+        Returns the ticket, resolved with ``value``.
         """
         if durability == "index":
             self._log()
-            return
+            return done(value)
         tiering = self.cache.tiering
         want = DISK if durability == "power" else HOST
+        short = None
         if self.cache.allocators[want] is None:
             if want == DISK:
-                raise DurabilityError("power durability needs a disk tier; this cache has none")
+                short = DurabilityError("power durability needs a disk tier; this cache has none")
             want = DISK  # crash durability without a host tier: the disk serves
-        for node in path_to(seq.node):
-            if node.slots[DISK] is not None or (want == HOST and node.slots[HOST] is not None):
-                continue
-            if not tiering.write_down(node, want):
-                raise DurabilityError(f"cannot make sequence {seq.id} {durability}-durable: "
-                                      f"no room in the {'disk' if want == DISK else 'host'} tier")
+        if short is None:
+            for node in path_to(seq.node):
+                if node.slots[DISK] is not None or (want == HOST and node.slots[HOST] is not None):
+                    continue
+                if not tiering.write_down(node, want):
+                    short = DurabilityError(f"cannot make sequence {seq.id} {durability}-durable: "
+                                            f"no room in the {'disk' if want == DISK else 'host'} tier")
+                    break
+        if short is not None:
+            self._log()  # the blocks are indexed: their records go down like an ``index`` commit's
+            return failed(short)
         crash_point("commit_data_written")
-        self._log()
-        self.wal.flush().result()
-        self._reclaim()
+        return self._order.ticket(self._log(), value)
 
-    def _log(self, session_id: int = 0) -> None:
-        events = self.cache.drain_events()
-        if not events:
-            return
-        if self.wal.failure is not None:  # no more fdatasyncs: nothing will be acknowledged
-            raise self.wal.failure
-        for e in events:
-            if type(e) is BlocksMoved and e.tier == DISK:
-                try:
-                    self.store.sync(Tier.DISK)
-                except StorageError as exc:
-                    # NOTE: these events are drained and can never be logged, and the kernel may
-                    # have dropped the pages it failed to write (a retried fdatasync can
-                    # "succeed" over lost bytes): poison the log, so that nothing more is
-                    # acknowledged and the log never goes on without them.
-                    raise self.wal.fail(exc) from exc
-                crash_point("commit_data_synced")
-                break
-        append = self.wal.append
-        for e in events:
-            kind, fields, blob = event_records(e, session_id)
-            append(kind, *fields, blob=blob)
-        self._since_checkpoint += len(events)
+    def _log(self, session_id: int = 0) -> int:
+        """Drain the cache's events into the ordered queue; then the periodic work (release
+        durable quarantine, keep headroom, spill, checkpoint). Returns the position of the
+        last record this call logged (before any spill it started)."""
+        pos = self._submit_events(session_id)
+        self._reclaim()
+        if self._headroom_low():
+            self._make_headroom()
         if self.cache.tiering.pending_disk_blocks >= self.spill_blocks:
             self.spill()
-        if self._since_checkpoint >= self.checkpoint_records:
+        if self._since_checkpoint >= self.checkpoint_records or self._tail_blocks >= self.checkpoint_blocks:
             self.checkpoint()
+        return pos
+
+    def _submit_events(self, session_id: int = 0) -> int:
+        """The events as records, in order, into ``OrderedLog``; the quarantine batch they
+        freed is sealed with their last position. A move to disk makes the batch a barrier
+        behind the disk pool's fdatasync (``TierStore.sync_async``)."""
+        order = self._order
+        events = self.cache.drain_events()
+        if not events:
+            return order.position
+        if self.wal.failure is not None:  # no more fdatasyncs: nothing will be acknowledged
+            raise self.wal.failure
+        records = []
+        at = -1
+        blocks = 0
+        for e in events:
+            if at < 0 and type(e) is BlocksMoved and e.tier == DISK:
+                at = len(records)
+            record = event_records(e, session_id)
+            records.append(record)
+            if type(e) in _BLOCK_EVENTS:
+                blocks += replay_blocks(e)
+        barrier = self.store.sync_async(Tier.DISK) if at >= 0 else None
+        pos = order.submit(records, barrier, at)
+        for alloc in self._lower_allocs:
+            alloc.seal_deferred(pos)
+        self._since_checkpoint += len(events)
+        self._tail_blocks += blocks
+        return pos
 
     def _reclaim(self) -> None:
-        for tier in (HOST, DISK):
-            alloc = self.cache.allocators[tier]
-            if alloc is not None:
-                alloc.reclaim_deferred()
+        """Free before reuse, by watermark: quarantined slots whose freeing records are durable
+        become allocatable. Cheap when there is nothing to do (a deque peek per tier)."""
+        durable = -1
+        for alloc in self._lower_allocs:
+            mark = alloc.next_deferred_mark()
+            if mark is not None:
+                if durable < 0:
+                    durable = self._order.durable_position()
+                if mark <= durable:
+                    alloc.release_deferred(durable)
+
+    def _headroom_low(self) -> bool:
+        for alloc, want in zip(self._lower_allocs, self._headroom):
+            if alloc.num_free + alloc.num_deferred < want:
+                return True
+        return False
+
+    def _make_headroom(self) -> None:
+        """Evict ahead in host and disk: slots freed there come back only once their records
+        are durable, so each keeps ``_headroom`` free or quarantined slots; otherwise the next
+        allocation would evict into quarantine and have to force the log (``_force_reclaim``)."""
+        for k, (tier, alloc) in enumerate(zip(self._lower_tiers, self._lower_allocs)):
+            short = self._headroom[k] - alloc.num_free - alloc.num_deferred
+            if short > 0:
+                self.cache.evict(short, tier)
+        self._submit_events()
 
     def _force_reclaim(self) -> None:
-        """A lower tier is short only of quarantined slots: make their drops durable now."""
-        self._log()
-        self.wal.commit_now()
-        self._reclaim()
+        """A lower tier is short only of quarantined slots: make their drops durable now (the
+        one place the serving thread waits for the disk and the log), and keep more headroom."""
+        self._submit_events()
+        self._order.settle()
+        if self.wal.sync == "interval":
+            self.wal.commit_now()  # not the next periodic fsync: now
+        else:
+            self.wal.flush().result()  # durable as ``sync`` defines it
+        for k, alloc in enumerate(self._lower_allocs):
+            alloc.reclaim_deferred()
+            self._headroom[k] = min(max(2 * self._headroom[k], self.spill_blocks), alloc.num_slots // 8)
+        self.forced_reclaims += 1
+        log.debug("quarantine forced headroom=%s", self._headroom)
+
+    def _settle(self) -> None:
+        """Log every event and wait until no record is held behind a disk barrier (before a
+        checkpoint dump, which must not include effects whose records are not yet in the log)."""
+        self._submit_events()
+        self._order.settle()
+
+    def _serve_setup(self) -> None:
+        """After recovery: disk writes behind the caller, and the quarantine bookkeeping."""
+        self.store.write_behind = True
+        self._lower_tiers = [t for t in (HOST, DISK) if self.cache.allocators[t] is not None]
+        self._lower_allocs = [self.cache.allocators[t] for t in self._lower_tiers]
+        # NOTE: no headroom until a shortage forces the log: a cache that never waits keeps
+        # all of its capacity; the first force sets it to ``spill_blocks``, each next one
+        # doubles it, up to an eighth of the tier.
+        self._headroom = [0] * len(self._lower_allocs)
 
     # -- background work -------------------------------------------------------------------------
 
     @_poison_on_storage_error
     def spill(self) -> int:
-        """Write-through to disk for the runs waiting for it, one fdatasync for the batch."""
-        done = self.cache.tiering.spill()
-        if done:
+        """Write-through to disk for the runs waiting for it: queued writes, one fdatasync for
+        the batch on the disk sync thread (their records wait for it in order)."""
+        moved = self.cache.tiering.spill()
+        if moved:
             self._log()
-        return done
+        return moved
 
     def tick(self) -> None:
-        """Periodic work: spill to disk, release unclaimed recovered sequences, checkpoint."""
+        """Periodic work the daemon's loop calls about every 100 ms (``TICK_PERIOD_S``): spill
+        write-through runs waiting for disk (else they wait for ``spill_blocks`` of them), and
+        release unclaimed recovered sequences (which every mutating call also does)."""
         self.spill()
+        self._reclaim()
+        self._expire_if_due()
+
+    def _expire_if_due(self) -> None:
+        """Release the unclaimed recovered sequences once ``reclaim_grace_s`` has passed; run
+        first by every mutating call, so that expiry never depends on ``tick`` being called."""
         if self.recovered and time.monotonic() >= self._reclaim_deadline:
             self.expire_recovered()
 
@@ -271,9 +446,9 @@ class DurableCache:
         """Release every recovered sequence not reclaimed (their blocks stay cached)."""
         n = len(self.recovered)
         for rec in self.recovered.values():
-            self.cache.tree.unlock(rec.node)
-            self.wal.append(Kind.RELEASE, rec.seq_id)
+            self.cache.release_recovered(rec.seq_id, rec.node)  # a SeqReleased event
         self.recovered.clear()
+        self._log()
         return n
 
     @_poison_on_storage_error
@@ -281,46 +456,49 @@ class DurableCache:
         """Reopen the recovered sequences of ``session_id`` on their surviving blocks."""
         out = []
         for old_id in [k for k, r in self.recovered.items() if r.session_id == session_id]:
-            rec = self.recovered.pop(old_id)
-            path = path_to(rec.node)
-            tokens = b"".join(n.tokens for n in path)
+            rec = self.recovered[old_id]
+            tokens = b"".join(n.tokens for n in path_to(rec.node))
             seq = None
-            if tokens:
+            if tokens:  # its lock holds the blocks while the reopen makes room; OutOfBlocks
+                # leaves it recovered (and still locked) for a later reclaim or the expiry
                 seq = self.cache.open(tokens, rec.extra, full_match=True)
                 self._sessions[seq.id] = session_id
-            self.cache.tree.unlock(rec.node)
+            del self.recovered[old_id]
+            self.cache.release_recovered(old_id, rec.node)  # a SeqReleased event, after the OPEN
             self._log(session_id)
-            self.wal.append(Kind.RELEASE, old_id)
             out.append(Reclaimed(old_id, seq, seq.cached_tokens if seq else 0))
         return out
 
     @_poison_on_storage_error
     def checkpoint(self) -> int:
         """Fold the log into a checkpoint of the current state; returns its lsn."""
-        self._log()
+        self._settle()  # every event logged, none held behind a disk barrier: the dump holds
+        # no effect whose record is not in the log before ``lsn``
         seqs = []
-        for seq_id, seq in self.cache._seqs.items():
+        for seq in self.cache.sequences():
             node = seq.node
-            seqs.append([seq_id, self._sessions.get(seq_id, 0),
+            seqs.append([seq.id, self._sessions.get(seq.id, 0),
                          node.hashes[-1] if node.parent is not None else ZERO_HASH, seq.extra])
         for rec in self.recovered.values():
             node = rec.node
             seqs.append([rec.seq_id, rec.session_id,
                          node.hashes[-1] if node.parent is not None else ZERO_HASH, rec.extra])
-        meta = {"next_seq_id": self.cache._next_id,
+        meta = {"next_seq_id": self.cache.next_seq_id,
                 "file_ids": {str(int(t)): fid.hex() for t, fid in self.store.file_ids.items()}}
         index, seq_values = ckpt.dump(self.cache, meta, seqs)
         lsn = self.wal.stats().next_lsn - 1
         crash_point("checkpoint_dumped")
         self.wal.checkpoint(lsn, index, seq_values)
-        self._since_checkpoint = 0
+        self._since_checkpoint = self._tail_blocks = 0
         self._reclaim()
         return lsn
 
     def close(self) -> None:
-        """Log what is pending and close the WAL and the pools (no checkpoint)."""
+        """Log what is pending and close the WAL and the pools (no checkpoint); open tickets
+        resolve (or fail) before it returns."""
         try:
-            self._log()
+            if self.wal.failure is None:  # a failed log was reported to every ticket already
+                self._settle()
         finally:
             try:
                 self.wal.close()

@@ -44,6 +44,7 @@ _memmove = ctypes.memmove  # a ctypes foreign call: drops the GIL
 _xxh3 = xxhash.xxh3_64_intdigest
 L2_STAGE_BYTES = 1 << 20  # staging per helper thread for reads from disk
 HELPER_THREADS = 2  # the store's helper pool; a CPU copy is split into this many tasks
+INLINE_BYTES = 256 << 10  # a batch this small is copied on the calling thread (see the NOTE)
 PREFETCH = True  # posix_fadvise(WILLNEED) every run of a read batch up front: the disk sees them all
 _IOV_MAX = 1024
 
@@ -162,6 +163,9 @@ def copy_tensors(src: TensorPool, src_slots: Sequence[int], dst: TensorPool, dst
         return CopyResult(sums, None)
     hash_rows = dst.rows if want_checksums else None
     n = len(dst_slots)
+    if n * dst.layout.block_bytes <= INLINE_BYTES:  # a few blocks: a helper round trip costs more
+        sums = _memmove_runs(dst.raw, dst_slots, src.raw, src_slots, 0, n, hash_rows)
+        return CopyResult(sums if want_checksums else None, None)
     step = max(chunk_blocks(dst.layout.block_bytes), -(-n // HELPER_THREADS))
     pending = [helper.submit(_memmove_runs, dst.raw, dst_slots, src.raw, src_slots, lo, min(lo + step, n), hash_rows)
                for lo in range(0, n, step)]
@@ -178,23 +182,33 @@ def _write_chunk(disk: DiskPool, rows, src_slots: Sequence[int], dst_slots: Sequ
 
 
 def write_to_disk(rows, src_slots: Sequence[int], disk: DiskPool, dst_slots: Sequence[int],
-                  helper: Executor) -> CopyResult:
+                  helper: Executor | None, want_checksums: bool = True) -> CopyResult:
     """Hash each source block, then ``pwritev`` it to its disk slot (not yet durable: ``sync``).
 
     Args:
         rows: the source blocks as a 2-D uint8 numpy array in host memory (one block a row).
+        helper: threads for the writes of a big batch; ``None`` (or a small batch) writes on
+            the calling thread (the write-behind thread passes ``None``).
+        want_checksums: ``False`` when the caller hashed the rows already (``checksums`` None).
     Raises:
         StorageError: on a short or failed write.
     """
     step = chunk_blocks(disk.block_bytes)
-    sums: list[int] = []
-    pending: list[Future] = []
-    for lo in range(0, len(dst_slots), step):
-        hi = min(lo + step, len(dst_slots))
-        sums.extend(checksum.checksum_rows(rows, src_slots[lo:hi]))  # warms the chunk for pwrite
-        pending.append(helper.submit(_write_chunk, disk, rows, src_slots, dst_slots, lo, hi))
-    for f in pending:
-        f.result()
+    n = len(dst_slots)
+    sums: list[int] | None = [] if want_checksums else None
+    if helper is None or n * disk.block_bytes <= INLINE_BYTES:
+        if sums is not None:
+            sums = checksum.checksum_rows(rows, src_slots)
+        _write_chunk(disk, rows, src_slots, dst_slots, 0, n)
+    else:
+        pending: list[Future] = []
+        for lo in range(0, n, step):
+            hi = min(lo + step, n)
+            if sums is not None:
+                sums.extend(checksum.checksum_rows(rows, src_slots[lo:hi]))  # warms the chunk for pwrite
+            pending.append(helper.submit(_write_chunk, disk, rows, src_slots, dst_slots, lo, hi))
+        for f in pending:
+            f.result()
     crash_point("disk_data_written")
     return CopyResult(sums, None)
 
@@ -262,6 +276,11 @@ def read_from_disk(disk: DiskPool, src_slots: Sequence[int], dst, dst_slots: Seq
             pieces.append([pos])
     sums: list = [0] * n
     oks: list = [False] * n
+    if n * disk.block_bytes <= INLINE_BYTES or len(pieces) == 1:
+        with staging.lock:
+            _read_pieces(disk, src_slots, dst, dst_slots, verify, pieces, staging.buffers[0],
+                         staging.rows[0], sums, oks)
+        return CopyResult(sums, oks if verify is not None else None)
     with staging.lock:
         parts = [helper.submit(_read_pieces, disk, src_slots, dst, dst_slots, verify, pieces[k::HELPER_THREADS],
                                staging.buffers[k], staging.rows[k], sums, oks)

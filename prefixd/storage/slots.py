@@ -6,6 +6,8 @@ never touches bytes.
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 
 
@@ -18,14 +20,17 @@ class SlotAllocator:
     their lines are still warm).
 
     A slot freed while a durable record may still name it goes to ``defer_free`` instead: it sits
-    in quarantine and becomes allocatable only after ``reclaim_deferred()``, which the engine calls
-    once the WAL record that freed it has committed (free before reuse).
+    in quarantine (free before reuse). Quarantined slots are kept in batches: ``seal_deferred(mark)``
+    closes the open batch with a mark that ascends (the engine's position of the last record that
+    freed them), and ``release_deferred(upto)`` makes every sealed batch with ``mark <= upto``
+    allocatable, oldest first; ``reclaim_deferred()`` releases everything (the log was forced).
 
     Invariants (``check_invariants``):
         * every slot in ``[0, num_slots)`` is in exactly one of: free, deferred, used;
         * ``num_free + num_deferred + num_used == num_slots``;
         * slots ``>= _fresh`` were never handed out; they are free and sit at the bottom of the
-          stack (below ``_free``), lowest first.
+          stack (below ``_free``), lowest first;
+        * sealed batches' marks ascend; ``num_deferred`` counts the sealed and the open batch.
 
     NOTE: the never-used slots are a bound, not a list: a million-slot disk tier would
     otherwise build a million ints at start, a tenth of a large recovery, to throw most of
@@ -35,7 +40,7 @@ class SlotAllocator:
     ``check_invariants`` finds them, and the cache core's own invariants find the owner.
     """
 
-    __slots__ = ("num_slots", "_free", "_fresh", "_deferred")
+    __slots__ = ("num_slots", "_free", "_fresh", "_deferred", "_sealed", "_num_sealed")
 
     def __init__(self, num_slots: int) -> None:
         if num_slots < 0:
@@ -43,7 +48,9 @@ class SlotAllocator:
         self.num_slots = num_slots
         self._free: list[int] = []  # freed slots, top of the stack last
         self._fresh = 0  # slots [_fresh, num_slots) were never handed out
-        self._deferred: list[int] = []
+        self._deferred: list[int] = []  # the open batch: not yet sealed
+        self._sealed: deque[tuple[int, list[int]]] = deque()  # (mark, slots), marks ascending
+        self._num_sealed = 0
 
     @property
     def num_free(self) -> int:
@@ -51,11 +58,11 @@ class SlotAllocator:
 
     @property
     def num_deferred(self) -> int:
-        return len(self._deferred)
+        return len(self._deferred) + self._num_sealed
 
     @property
     def num_used(self) -> int:
-        return self._fresh - len(self._free) - len(self._deferred)
+        return self._fresh - len(self._free) - self.num_deferred
 
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free) + self.num_slots - self._fresh
@@ -92,12 +99,45 @@ class SlotAllocator:
         """Return slots that a durable record may still name; see ``reclaim_deferred``."""
         self._deferred.extend(slots)
 
+    def seal_deferred(self, mark: int) -> None:
+        """Close the open quarantine batch: its slots wait until ``release_deferred(upto >= mark)``.
+
+        Raises:
+            ValueError: ``mark`` is below the last sealed batch's (marks must ascend).
+        """
+        if not self._deferred:
+            return
+        sealed = self._sealed
+        if sealed and mark < sealed[-1][0]:
+            raise ValueError(f"quarantine marks must ascend: {mark} after {sealed[-1][0]}")
+        sealed.append((mark, self._deferred))
+        self._num_sealed += len(self._deferred)
+        self._deferred = []
+
+    def next_deferred_mark(self) -> int | None:
+        """The mark of the oldest sealed batch (``None`` if none): the cheap watermark check."""
+        return self._sealed[0][0] if self._sealed else None
+
+    def release_deferred(self, upto: int) -> int:
+        """Make every sealed batch with ``mark <= upto`` allocatable; returns how many slots."""
+        sealed, free, n = self._sealed, self._free, 0
+        while sealed and sealed[0][0] <= upto:
+            slots = sealed.popleft()[1]
+            free.extend(reversed(slots))
+            n += len(slots)
+        self._num_sealed -= n
+        return n
+
     def reclaim_deferred(self) -> int:
-        """Make every deferred slot allocatable; returns how many."""
-        n = len(self._deferred)
-        if n:
+        """Make every quarantined slot allocatable, sealed or not; returns how many."""
+        n = self.num_deferred
+        for _, slots in self._sealed:
+            self._free.extend(reversed(slots))
+        self._sealed.clear()
+        self._num_sealed = 0
+        if self._deferred:
             self._free.extend(reversed(self._deferred))
-            self._deferred.clear()
+            self._deferred = []
         return n
 
     def take(self, slots) -> None:
@@ -128,10 +168,16 @@ class SlotAllocator:
         self._fresh = self.num_slots
 
     def used_slots(self) -> set[int]:
-        return set(range(self._fresh)) - set(self._free) - set(self._deferred)
+        return set(range(self._fresh)) - set(self._free) - set(self._all_deferred())
+
+    def _all_deferred(self) -> list[int]:
+        return [s for _, slots in self._sealed for s in slots] + self._deferred
 
     def check_invariants(self) -> None:
-        free, deferred = self._free, self._deferred
+        free, deferred = self._free, self._all_deferred()
+        marks = [m for m, _ in self._sealed]
+        assert marks == sorted(marks), "quarantine marks out of order"
+        assert self._num_sealed == sum(len(s) for _, s in self._sealed), "sealed count drifted"
         both = free + deferred
         assert len(set(both)) == len(both), "a slot is free or deferred twice"
         assert all(0 <= s < self._fresh for s in both), "a free slot is out of range or never used"

@@ -12,6 +12,8 @@ API (slots are lists of ints, one per block; positions in the lists pair source 
     store.copy_async(...same...) -> Future[CopyResult]
     store.copy_within(tier, src_slots, dst_slots) -> None        # copy-on-write inside one tier
     store.sync(tier) -> None                     # DISK: fdatasync if anything was written; else no-op
+    store.sync_async(tier) -> Future             # DISK: the same on the sync thread, shared by waiters
+    store.write_behind = True                    # copies into DISK return before their pwritev
     store.read(tier, slots) -> Tensor            # [n, *layout.block_shape], a copy (DISK: unchecked)
     store.write(tier, slots, blocks) -> None     # blocks: [n, *layout.block_shape] of layout dtype
     store.checksum(tier, slots) -> list[int]
@@ -25,11 +27,13 @@ DISK source: a block with ``ok=False`` was not written to the destination and mu
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from prefixd.api.layout import KVLayout
@@ -39,6 +43,7 @@ from prefixd.storage import checksum, movement
 from prefixd.storage.movement import CopyResult, Staging
 from prefixd.storage.pools import DiskPool, TensorPool
 from prefixd.storage.slots import SlotAllocator
+from prefixd.storage.write_behind import DiskWriter
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +65,14 @@ class TierStore:
     buffer and run one at a time. The allocators are not locked: the cache core owns them.
     Calls block until their bytes have moved; ``copy_async`` runs a copy on the store's own
     worker thread (FIFO) so an event loop never waits on disk.
+
+    Write-behind (``write_behind = True``, set by the durable engine): a copy from a memory tier
+    into DISK snapshots and hashes the source blocks on the calling thread and returns; the
+    ``DiskWriter`` (``prefixd.storage.write_behind``) writes them in order, and ``sync_async``
+    makes them durable with fdatasyncs shared by every waiter. Anything that reads the disk pool
+    (or writes it directly) first waits until queued writes are written, so it never sees a
+    slot's old bytes. NOTE: the snapshot lets the source slots be reused as soon as the copy
+    returns (a device slot is freed at once on eviction); it costs one memcpy, like a host copy.
 
     NOTE: reopening is the default (the daemon restarts and recovers from the files);
     ``fresh=True`` is the one way to start empty, and it replaces every pool file of this name.
@@ -114,6 +127,8 @@ class TierStore:
         self._helper = ThreadPoolExecutor(movement.HELPER_THREADS, thread_name_prefix="prefixd-storage-io")
         self._async = ThreadPoolExecutor(1, thread_name_prefix="prefixd-storage-async")
         self._staging = Staging(layout.block_bytes, pin=cuda) if Tier.DISK in self._pools else None
+        self.write_behind = False
+        self._writer = DiskWriter(self._sync_disk, self._pools[Tier.DISK].path) if Tier.DISK in self._pools else None
         log.info("tier store open name=%s blocks=%s block_bytes=%d", self.name,
                  {t.name: p.num_blocks for t, p in self._pools.items()}, layout.block_bytes)
 
@@ -160,6 +175,10 @@ class TierStore:
             raise ValueError("verify= is for copies from DISK; memory tiers are not re-checked")
         if not src_slots:
             return CopyResult([] if dst_tier != Tier.DEVICE else None, [] if verify is not None else None)
+        if isinstance(dst, DiskPool) and not isinstance(src, DiskPool) and self.write_behind:
+            return self._write_behind(src, src_slots, dst, dst_slots, durable)
+        if self._writer is not None and (isinstance(src, DiskPool) or isinstance(dst, DiskPool)):
+            self._writer.wait_written()
         if isinstance(src, DiskPool):
             target = dst if isinstance(dst, DiskPool) else dst.raw
             result = movement.read_from_disk(src, src_slots, target, dst_slots, verify, self._staging, self._helper)
@@ -172,6 +191,21 @@ class TierStore:
         if durable and dst_tier == Tier.DISK:
             self.sync(Tier.DISK)
         return result
+
+    def _write_behind(self, src: TensorPool, src_slots: list[int], disk: DiskPool, dst_slots: list[int],
+                      durable: bool) -> CopyResult:
+        """Snapshot and hash the source rows here; the writer thread pwritevs them."""
+        n = len(src_slots)
+        if src.rows is not None:
+            rows = np.take(src.rows, src_slots, axis=0)  # one gather: the snapshot
+        else:  # pragma: no cover - a GPU source; _host_rows is already a copy
+            rows = self._host_rows(src, src_slots)
+        sums = checksum.checksum_rows(rows, range(n))
+        self._writer.submit(functools.partial(movement.write_to_disk, rows, range(n), disk, dst_slots, None,
+                                              False), n * disk.block_bytes)
+        if durable:
+            self.sync(Tier.DISK)
+        return CopyResult(sums, None)
 
     def copy_async(self, src_tier: Tier, src_slots: Sequence[int], dst_tier: Tier, dst_slots: Sequence[int], *,
                    verify: Sequence[int] | None = None, durable: bool = False) -> Future:
@@ -189,15 +223,33 @@ class TierStore:
             raise ValueError("copy_within: source and destination slots overlap")
         pool = self.pool(tier)
         if isinstance(pool, DiskPool):
-            self.copy(tier, src_slots, tier, dst_slots)
+            self.copy(tier, src_slots, tier, dst_slots)  # waits for queued writes
             return
         self._check_slots(tier, list(src_slots), tier, list(dst_slots))
         movement.copy_rows(pool.tensor, list(src_slots), pool.tensor, list(dst_slots))
 
     def sync(self, tier: Tier) -> None:
-        """Make written bytes durable: one fdatasync for DISK; nothing for shm or CUDA tiers."""
-        pool = self.pool(tier)
-        if isinstance(pool, DiskPool) and pool.sync():
+        """Make written bytes durable: one fdatasync for DISK (queued writes included); nothing
+        for shm or CUDA tiers. Raises StorageError if a write or the fdatasync failed."""
+        self.sync_async(tier).result()
+
+    def sync_async(self, tier: Tier) -> Future:
+        """``sync`` on the disk sync thread: a Future resolved once every copy into DISK made
+        before this call is durable (failed with the StorageError of a failed write or
+        fdatasync). Waiters share fdatasyncs. Already done for a tier that needs none."""
+        if isinstance(self.pool(tier), DiskPool):
+            return self._writer.sync()
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    @property
+    def disk_syncs(self) -> int:
+        """fdatasyncs of the disk pool so far (for benchmarks and metrics)."""
+        return self._writer.num_syncs if self._writer is not None else 0
+
+    def _sync_disk(self) -> None:  # the disk sync thread
+        if self._pools[Tier.DISK].sync():
             crash_point("disk_data_synced")
 
     # ----------------------------------------------------------------------------- bytes in/out
@@ -207,6 +259,7 @@ class TierStore:
         self._check_range(tier, slots)
         pool = self.pool(tier)
         if isinstance(pool, DiskPool):
+            self._writer.wait_written()
             out = torch.empty(len(slots), self.layout.block_bytes, dtype=torch.uint8)
             movement.read_from_disk(pool, slots, out, list(range(len(slots))), None, self._staging, self._helper)
             return out.view(self.layout.torch_dtype()).view(self.layout.pool_shape(len(slots)))
@@ -225,6 +278,7 @@ class TierStore:
             raise ValueError(f"write expects {want} of {self.layout.dtype}, got {tuple(blocks.shape)} {blocks.dtype}")
         pool = self.pool(tier)
         if isinstance(pool, DiskPool):
+            self._writer.wait_written()  # keeps writes to one slot in call order
             rows = blocks.contiguous().cpu().view(len(slots), -1).view(torch.uint8).numpy()
             movement.write_to_disk(rows, list(range(len(slots))), pool, slots, self._helper)
         else:
@@ -237,6 +291,7 @@ class TierStore:
         self._check_range(tier, slots)
         pool = self.pool(tier)
         if isinstance(pool, DiskPool):
+            self._writer.wait_written()
             return movement.read_from_disk(pool, slots, None, slots, None, self._staging, self._helper).checksums
         rows = self._host_rows(pool, slots)
         return checksum.checksum_rows(rows, self._row_slots(pool, slots))
@@ -250,6 +305,8 @@ class TierStore:
         """Stop the workers and release files and mappings; bytes stay in the files. Idempotent."""
         if getattr(self, "_helper", None) is not None:
             self._async.shutdown(wait=True)
+            if self._writer is not None:
+                self._writer.close()
             self._helper.shutdown(wait=True)
             self._helper = None
         self._close_pools()
@@ -267,6 +324,8 @@ class TierStore:
             assert alloc.num_slots == pool.num_blocks, f"{tier.name}: allocator and pool sizes differ"
             alloc.check_invariants()
             pool.check_invariants()
+        if self._writer is not None:
+            self._writer.check_invariants()
 
     # ----------------------------------------------------------------------------- helpers
     def _present(self, tier: Tier) -> Tier:

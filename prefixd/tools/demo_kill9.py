@@ -37,23 +37,16 @@ def _values(tokens: np.ndarray) -> np.ndarray:
     return h.astype(np.float32)
 
 
-def _write_kv(dc: DurableCache, seq, tokens: np.ndarray, start: int) -> None:
-    bs = LAYOUT.block_size
-    vals = _values(tokens)
-    first, last = start // bs, -(-len(tokens) // bs)
-    slots = seq.block_table[first:last]
-    blocks = dc.store.read(0, slots)
-    for i, b in enumerate(range(first, last)):
-        lo, hi = max(start, b * bs), min(len(tokens), (b + 1) * bs)
-        blocks[i, :, :, lo - b * bs:hi - b * bs] = torch.from_numpy(vals[lo:hi]).view(1, 1, -1, 1, 1)
-    dc.store.write(0, slots, blocks)
+def _kv(tokens: np.ndarray, start: int) -> torch.Tensor:
+    """The KV of tokens ``start ..``: ``[num_layers, 2, n, num_kv_heads, head_dim]``, each
+    token's value in every lane."""
+    vals = torch.from_numpy(_values(tokens)[start:])
+    shape = (LAYOUT.num_layers, 2, len(vals), LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    return vals.view(1, 1, -1, 1, 1).expand(shape)
 
 
 def _check_kv(dc: DurableCache, seq, tokens: np.ndarray, n: int) -> bool:
-    bs = LAYOUT.block_size
-    blocks = dc.store.read(0, seq.block_table[: n // bs]).numpy()
-    got = blocks[:, :, :, :, 0, 0].transpose(0, 3, 1, 2).reshape(n, -1)
-    return bool((got == _values(tokens)[:n, None]).all())
+    return bool(torch.equal(dc.read_kv(seq, 0, n), _kv(tokens[:n], 0)))
 
 
 def child(state_dir: str, shm_dir: str) -> None:
@@ -62,8 +55,8 @@ def child(state_dir: str, shm_dir: str) -> None:
         tokens = np.frombuffer(req.prompt + req.output[:-4], "<i4")
         seq = dc.open(req.prompt)
         dc.extend(seq.id, req.output[:-4])
-        _write_kv(dc, dc.sequence(seq.id), tokens, seq.cached_tokens)
-        dc.commit(seq.id, "crash")
+        dc.write_kv(seq, seq.cached_tokens, _kv(tokens, seq.cached_tokens))
+        dc.commit(seq.id, "crash").result()
         dc.release(seq.id)
         print(f"acked {i}", flush=True)
     time.sleep(3600)  # wait for the kill

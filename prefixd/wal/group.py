@@ -374,6 +374,11 @@ class GroupCommitter:
     def failure(self) -> WalFailedError | None:
         return self._failure
 
+    @property
+    def durable_lsn(self) -> int:
+        """Every record <= this lsn is durable per the sync policy (a plain read: no lock)."""
+        return self._durable_lsn
+
     def stats(self) -> WalStats:
         with self._cv:
             lsns = (self._next_lsn, self._committed_lsn, self._durable_lsn)

@@ -301,6 +301,11 @@ class Wal:
         """The WalFailedError that poisoned this log, or None."""
         return self._committer.failure
 
+    @property
+    def durable_lsn(self) -> int:
+        """Every record <= this lsn is durable per ``sync`` (cheap: no lock, no tuple)."""
+        return self._committer.durable_lsn
+
     def stats(self) -> WalStats:
         """Counters for metrics: groups, records, last group size, commit latency, lsns."""
         return self._committer.stats()

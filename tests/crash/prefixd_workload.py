@@ -2,6 +2,7 @@
 
     python -m tests.crash.prefixd_workload STATE_DIR SHM_DIR ACK_LOG [--seed N]
         [--durability crash|power] [--sync commit|interval|none] [--requests N]
+        [--concurrent N] [--plant ack-before-commit|ack-before-ticket]
 
 The child opens (recovering) a ``DurableCache`` on STATE_DIR, then serves random requests:
 prompts share a few system prefixes, KV is written as values derived from each token's whole
@@ -12,6 +13,12 @@ Pools are small on the device and host so that every run evicts, demotes and pro
 is large enough that nothing committed is ever forgotten, so after any crash every acknowledged
 commit must still be a hit.
 
+With ``--concurrent N`` the child keeps N sequences in flight on its one thread, as a daemon
+would: each is opened, written and committed, and its commit's ticket is left running; a
+commit is acknowledged (and its sequence released, and the lane's next request started) only
+when its ticket has resolved. Pools are bigger there (``CONCURRENT_SIZES``: N sequences are
+pinned at once) and ``check`` must be given the same sizes.
+
 ``check(state_dir, shm_dir, acks)`` (used by the parent) recovers the cache and checks: every
 acknowledged commit is a hit on all of its whole blocks; every block in the index holds exactly
 the bytes its prefix implies (so nothing half-applied is ever served); invariants hold.
@@ -20,6 +27,7 @@ the bytes its prefix implies (so nothing half-applied is ever served); invariant
 from __future__ import annotations
 
 import argparse
+import queue
 import random
 import sys
 
@@ -34,6 +42,7 @@ from tests.cache.helpers import StoreTokens
 BS = 4
 LAYOUT = KVLayout("crash-test", num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32", block_size=BS)
 SIZES = (24, 24, 65536)  # disk: room for every commit of a 200-kill soak (~8k blocks)
+CONCURRENT_SIZES = (160, 48, 65536)  # device: 16 sequences of up to 6 blocks pinned, and eviction
 
 
 def open_cache(state_dir: str, shm_dir: str, sizes=SIZES, **kw) -> DurableCache:
@@ -47,11 +56,16 @@ def run(args) -> None:
     from tests.crash.acklog import AckLog
 
     rng = random.Random(args.seed)
-    dc = open_cache(args.state_dir, args.shm_dir, sync=args.sync)
+    dc = open_cache(args.state_dir, args.shm_dir, CONCURRENT_SIZES if args.concurrent else SIZES,
+                    sync=args.sync)
     dc.expire_recovered()
     pool = StoreTokens(dc.store, BS)
     acks = AckLog(args.acks)
     systems = [[rng.randrange(1000) for _ in range(rng.choice((4, 8, 12)))] for _ in range(6)]
+    if args.concurrent:
+        run_concurrent(args, dc, pool, acks, rng, systems)
+        dc.close()
+        return
     for i in range(args.requests):
         tokens = rng.choice(systems) + [rng.randrange(1000) for _ in range(rng.randint(1, 9))]
         seq = dc.open(tokens)
@@ -72,15 +86,62 @@ def run(args) -> None:
         line = f"{args.durability} {np.asarray(tokens[:full], '<i4').tobytes().hex()}"
         if args.plant == "ack-before-commit" and full:
             acks.ack(line)  # planted bug: acknowledged before anything is durable
-            dc.commit(seq.id, "index")
+            dc.commit(seq.id, "index").result()
         else:
-            dc.commit(seq.id, args.durability)
+            dc.commit(seq.id, args.durability).result()
             if full:
                 acks.ack(line)
         dc.release(seq.id)
         if i % 50 == 49:
             dc.tick()
     dc.close()
+
+
+def run_concurrent(args, dc, pool, acks, rng, systems) -> None:
+    """``args.concurrent`` sequences in flight; an ack only once its commit's ticket resolved."""
+    resolved: queue.SimpleQueue = queue.SimpleQueue()
+    live: dict[int, tuple] = {}  # seq id -> (ticket, ack line or None)
+    started = 0
+
+    def start() -> None:
+        nonlocal started
+        while started < args.requests:
+            started += 1
+            tokens = rng.choice(systems) + [rng.randrange(1000) for _ in range(rng.randint(1, 9))]
+            seq = dc.open(tokens)
+            pool.write(seq.block_table, tokens, seq.cached_tokens)
+            if rng.random() < 0.5:
+                more = [rng.randrange(1000) for _ in range(rng.randint(1, 6))]
+                dc.extend(seq.id, more)
+                tokens += more
+                pool.write(dc.sequence(seq.id).block_table, tokens, len(tokens) - len(more))
+            if rng.random() < 0.1:
+                dc.release(seq.id)  # abandoned: never acknowledged
+                continue
+            full = len(tokens) // BS * BS
+            line = f"{args.durability} {np.asarray(tokens[:full], '<i4').tobytes().hex()}" if full else None
+            ticket = dc.commit(seq.id, args.durability)
+            if args.plant == "ack-before-ticket" and line:
+                acks.ack(line)  # planted bug: acknowledged before the ticket resolved
+                line = None
+            live[seq.id] = (ticket, line)
+            ticket.add_done_callback(lambda _f, sid=seq.id: resolved.put(sid))
+            return
+
+    for _ in range(args.concurrent):
+        start()
+    done = 0
+    while live:
+        seq_id = resolved.get()
+        ticket, line = live.pop(seq_id)
+        ticket.result()  # a failed commit ends the child: nothing more is acknowledged
+        if line:
+            acks.ack(line)
+        dc.release(seq_id)
+        done += 1
+        if done % 50 == 0:
+            dc.tick()
+        start()
 
 
 def check(state_dir: str, shm_dir: str, acks: list[str], *, sync: str = "commit",
@@ -145,7 +206,8 @@ def main(argv=None) -> None:
     ap.add_argument("--durability", default="crash", choices=("crash", "power"))
     ap.add_argument("--sync", default="commit")
     ap.add_argument("--requests", type=int, default=10**9)
-    ap.add_argument("--plant", default="", choices=("", "ack-before-commit"),
+    ap.add_argument("--concurrent", type=int, default=0, help="sequences in flight (0: one at a time)")
+    ap.add_argument("--plant", default="", choices=("", "ack-before-commit", "ack-before-ticket"),
                     help="a planted bug, to show that a crash test catches it")
     run(ap.parse_args(argv))
 

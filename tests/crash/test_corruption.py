@@ -109,7 +109,7 @@ def build(root: Path) -> Built:
         for tokens in PROMPTS:
             seq = dc.open(tokens)
             pool.write(seq.block_table, tokens, seq.cached_tokens)
-            dc.commit(seq.id, "power")
+            dc.commit(seq.id, "power").result()
             dc.release(seq.id)
         slots = [_disk_slots(dc, t) for t in PROMPTS]
         disk = dc.store.pool(DISK)

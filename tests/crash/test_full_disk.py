@@ -78,7 +78,7 @@ def _serve(dc: DurableCache, tokens: list[int]) -> None:
     """Open, write KV, commit at ``power``, release: returns only if the commit was acknowledged."""
     seq = dc.open(tokens)
     StoreTokens(dc.store, BS).write(seq.block_table, tokens, seq.cached_tokens)
-    dc.commit(seq.id, "power")
+    dc.commit(seq.id, "power").result()
     dc.release(seq.id)
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from prefixd.crashpoints import CRASH_EXIT_CODE
 from tests.crash.acklog import read_acks, wait_for_acks
-from tests.crash.prefixd_workload import check
+from tests.crash.prefixd_workload import CONCURRENT_SIZES, SIZES, check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,7 +35,7 @@ def _spawn(tmp_path, seed, *extra, env_extra=None):
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def _kill_cycles(tmp_path, kills: int, seed: int, *extra) -> dict:
+def _kill_cycles(tmp_path, kills: int, seed: int, *extra, sizes=SIZES) -> dict:
     os.makedirs(tmp_path / "shm", exist_ok=True)
     rng = random.Random(seed)
     totals = {"kills": 0, "acks": 0, "blocks_verified": 0}
@@ -49,7 +49,8 @@ def _kill_cycles(tmp_path, kills: int, seed: int, *extra) -> dict:
             child.send_signal(signal.SIGKILL)
             _, err = child.communicate()
         assert child.returncode == -signal.SIGKILL, err.decode()[-2000:]
-        result = check(str(tmp_path / "state"), str(tmp_path / "shm"), read_acks(tmp_path / "acks"))
+        result = check(str(tmp_path / "state"), str(tmp_path / "shm"), read_acks(tmp_path / "acks"),
+                       sizes=sizes)
         totals["kills"] += 1
         totals["acks"] = result["acks"]
         totals["blocks_verified"] += result["blocks_verified"]
@@ -90,6 +91,45 @@ def test_the_kill_9_harness_catches_an_acknowledgement_before_commit(tmp_path):
             caught = True
             break
     assert caught, "the harness did not see a lost acknowledged commit: it cannot detect loss"
+
+
+def test_kill_9_with_16_sequences_committing_concurrently_loses_nothing_acknowledged(tmp_path, capsys):
+    """Commits through tickets, 16 sequences in flight on one thread (as the daemon will run
+    the engine): each acknowledged only when its ticket resolved."""
+    totals = _kill_cycles(tmp_path, 5, 3, "--concurrent", "16", sizes=CONCURRENT_SIZES)
+    with capsys.disabled():
+        print(f"\nkill -9, 16 concurrent: {totals}")
+    assert totals["acks"] > 5
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(3600)
+def test_kill_9_with_16_sequences_committing_concurrently_soak(tmp_path, capsys):
+    totals = _kill_cycles(tmp_path, 100, 4, "--concurrent", "16", sizes=CONCURRENT_SIZES)
+    with capsys.disabled():
+        print(f"\nkill -9 soak, 16 concurrent: {totals}")
+
+
+@pytest.mark.parametrize("durability", ["crash", "power"])
+def test_the_concurrent_kill_9_mode_catches_an_acknowledgement_before_its_ticket(tmp_path, durability):
+    """Control: acknowledging a commit when ``commit`` returns, before its ticket resolves,
+    must be caught losing data (so the concurrent mode can see a ticket acknowledged early)."""
+    for attempt in range(8):
+        d = tmp_path / f"a{attempt}"
+        os.makedirs(d / "shm")
+        child = _spawn(d, attempt, "--concurrent", "16", "--durability", durability,
+                       "--plant", "ack-before-ticket")
+        try:
+            wait_for_acks(d / "acks", 20 + 10 * attempt, timeout_s=60, proc=child)
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.communicate()
+        try:
+            check(str(d / "state"), str(d / "shm"), read_acks(d / "acks"), sizes=CONCURRENT_SIZES)
+        except AssertionError:
+            return
+    raise AssertionError("the concurrent mode did not see an acknowledgement given before its "
+                         "ticket resolved lose data: it cannot detect loss")
 
 
 CRASH_POINTS = ["disk_data_written", "disk_data_synced", "commit_data_written", "commit_data_synced",

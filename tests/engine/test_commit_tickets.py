@@ -1,0 +1,171 @@
+"""Commits that never block the serving thread: tickets, shared fsyncs, the record order
+behind disk barriers, and quarantined slots released by the durable watermark."""
+
+import os
+import threading
+
+import pytest
+
+from prefixd.cache.node import DISK, HOST
+from prefixd.engine import DurableCache
+from prefixd.storage.pools import DiskPool
+from prefixd.wal import Kind
+from prefixd.wal.env import WalEnv
+from tests.cache.helpers import StoreTokens, tiny_layout
+
+BS = 2
+LAYOUT = tiny_layout(BS)
+RETURNS_WITHIN_S = 10.0  # a call that has not returned by then is waiting for the stalled I/O
+
+
+@pytest.fixture
+def make(tmp_path):
+    made = []
+
+    def _make(sizes=(32, 16, 64), **kw):
+        kw.setdefault("shm_dir", str(tmp_path / "shm"))
+        os.makedirs(kw["shm_dir"], exist_ok=True)
+        kw.setdefault("reclaim_grace_s", 0.0)
+        dc = DurableCache(str(tmp_path / "state"), LAYOUT, sizes, **kw)
+        made.append(dc)
+        return dc
+
+    yield _make
+    for dc in made:
+        try:
+            dc.close()
+        except Exception:
+            pass
+
+
+class Stall:
+    """Holds every call of ``cls.name`` (WAL write txns, disk fdatasyncs) until ``go()``."""
+
+    def __init__(self, monkeypatch, cls, name: str) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        real = getattr(cls, name)
+
+        def held(obj, *args, **kwargs):
+            self.entered.set()
+            self.gate.wait()
+            return real(obj, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, held)
+
+    def go(self) -> None:
+        self.gate.set()
+
+
+def _returns(fn, *args, **kwargs):
+    """Run ``fn`` on a helper thread; its result if it returned within RETURNS_WITHIN_S, else
+    fail (it waited for the stalled I/O: the bug these tests look for)."""
+    out = {}
+    thread = threading.Thread(target=lambda: out.setdefault("r", fn(*args, **kwargs)), daemon=True)
+    thread.start()
+    thread.join(RETURNS_WITHIN_S)
+    assert "r" in out, f"{getattr(fn, '__name__', fn)} waited for a stalled fsync instead of returning a ticket"
+    return out["r"]
+
+
+def _open_written(dc, tokens):
+    seq = dc.open(tokens)
+    StoreTokens(dc.store, BS).write(seq.block_table, tokens, seq.cached_tokens)
+    return seq
+
+
+def test_a_commit_returns_a_ticket_without_waiting_for_the_log_fsync(make, monkeypatch):
+    """Regression: ``commit`` blocked its caller until the WAL group was fsynced, so a daemon
+    on one thread fsynced once per client commit."""
+    dc = make()
+    stall = Stall(monkeypatch, WalEnv, "write")
+    try:
+        seq = _open_written(dc, [1, 2, 3, 4, 5])
+        ticket = _returns(dc.commit, seq.id, "crash")
+        assert not ticket.done()
+        released = _returns(dc.release, seq.id)
+        assert released.done() and released.result() is None
+    finally:
+        stall.go()
+    assert ticket.result(timeout=30) == 2
+    assert dc.commit(_open_written(dc, [7, 7, 7]).id, "index").done()
+
+
+def test_concurrent_commits_share_one_log_fsync(make, monkeypatch):
+    """Sixteen sequences committing while one group is in flight ride in the next group: at
+    most two fsyncs for all of them (the old blocking commit paid one each)."""
+    dc = make(sizes=(64, 64, 128))
+    seqs = [_open_written(dc, [100 + i, 1, 2, 3, 4]) for i in range(16)]
+    dc.flush().result()
+    before = dc.wal.stats().syncs
+    stall = Stall(monkeypatch, WalEnv, "write")
+    try:
+        tickets = [_returns(dc.commit, s.id, "crash") for s in seqs]
+        assert not any(t.done() for t in tickets)
+    finally:
+        stall.go()
+    assert [t.result(timeout=30) for t in tickets] == [2] * 16
+    assert dc.wal.stats().syncs - before <= 2
+
+
+def test_a_disk_move_and_every_later_record_wait_for_the_disk_fdatasync(make, monkeypatch):
+    """Data before metadata, off the calling thread: a ``power`` commit returns at once; its
+    BLOCK_MOVE to disk, and records made after it (another sequence's), reach the log only
+    after the disk pool's fdatasync, and in the order the cache made them."""
+    dc = make()
+    seq = _open_written(dc, [1, 2, 3, 4, 5])
+    dc.flush().result()
+    appended = dc.wal.stats().next_lsn
+    stall = Stall(monkeypatch, DiskPool, "sync")
+    try:
+        ticket = _returns(dc.commit, seq.id, "power")
+        assert stall.entered.wait(10) and not ticket.done()
+        held_from = dc.wal.stats().next_lsn  # the commit's records before its disk move went in
+        other = _open_written(dc, [9, 9, 9])
+        dc.release(other.id)
+        assert dc.wal.stats().next_lsn == held_from, "a record overtook a disk move waiting for its fdatasync"
+    finally:
+        stall.go()
+    assert ticket.result(timeout=30) == 2
+    dc.flush().result()
+    kinds = [(r.kind, r.fields) for r in dc.wal.replay(appended - 1)]
+    move = next(i for i, (k, f) in enumerate(kinds) if k == Kind.BLOCK_MOVE and f[0] == DISK)
+    opened = next(i for i, (k, f) in enumerate(kinds) if k == Kind.OPEN and f[0] == other.id)
+    assert move < opened, kinds
+
+
+def test_quarantined_slots_come_back_only_once_their_drop_is_durable(make, monkeypatch):
+    """Free before reuse by watermark: host slots freed by an eviction stay quarantined while
+    the log that drops them is stalled, whatever the engine does meanwhile, and are
+    allocatable once it is durable (``tick`` or the next call notices)."""
+    dc = make(sizes=(8, 4, 64), write_policy="write_back")
+    seq = _open_written(dc, [1, 2, 3, 4, 5])
+    dc.commit(seq.id, "crash").result()
+    dc.release(seq.id)
+    dc.flush().result()
+    host = dc.cache.allocators[HOST]
+    stall = Stall(monkeypatch, WalEnv, "write")
+    try:
+        dc.cache.evict(2, HOST)  # host -> disk: the host slots are quarantined
+        _returns(dc.tick)
+        assert host.num_deferred == 2
+        _returns(lambda: dc.release(_open_written(dc, [5, 5, 5]).id))
+        assert host.num_deferred == 2, "quarantined slots came back before their drop was durable"
+    finally:
+        stall.go()
+    dc.flush().result()
+    dc.tick()
+    assert host.num_deferred == 0
+    dc.check_invariants()
+
+
+def test_a_tier_short_only_of_quarantined_slots_forces_the_log(make):
+    """``_force_reclaim`` stays for a shortage made only of quarantined slots: the commit
+    still finds room (the old behaviour), and later ones keep headroom."""
+    dc = make(sizes=(16, 4, 64))
+    for i in range(6):
+        seq = _open_written(dc, [10 * i + 1, 2, 3, 4, 5])
+        dc.commit(seq.id, "crash").result()
+        dc.release(seq.id)
+    dc.check_invariants()
+    assert dc.cache.allocators[HOST].num_used <= 4
