@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test soak bench clean
+.PHONY: demo test soak bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or run: make PYTHON=python3 ...)"; exit 1; }
@@ -23,6 +23,10 @@ test: $(STAMP)
 
 soak: $(STAMP)
 	$(PY) -m pytest -q -m soak
+
+# SGLang's RadixCache, the peer bench/core.py runs side by side (apart from .venv; see the file).
+bench-peers: $(STAMP)
+	$(PY) -m pip install -q --no-deps --target bench/out/sglang -r bench/peers/sglang-requirements.txt
 
 bench: $(STAMP)
 	$(PY) bench/core.py --workload gsp --json

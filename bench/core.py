@@ -5,6 +5,10 @@ when short); at finish the sequence is extended by output − 1 tokens (``extend
 allocation), then ``commit`` and ``release``. ``per_request_us`` is the sum of the open, commit
 and release medians (what SGLang's match + admit + insert + free costs); extend is reported
 beside it.
+
+With ``make bench-peers`` done (or ``--sglang-path`` naming an install), the same requests also
+run through SGLang's ``RadixCache`` in the same process (``bench/peers/sglang_radix.py``), and
+``peers.sglang_radix_cache`` holds its medians and the ratio ``prefixd / sglang``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from prefixd.tools.workloads import WORKLOADS, ideal_hit_rate, working_set_token
 
 
 def run(workload: str, block_size: int = 16, pool_fraction: float = 0.5, policy: str = "lru",
-        profile: bool = False) -> dict:
+        profile: bool = False, sglang_path: str | None = None) -> dict:
     reqs = WORKLOADS[workload]()
     ws = working_set_tokens(reqs, block_size)
     num_blocks = int(ws * pool_fraction) // block_size
@@ -59,10 +63,24 @@ def run(workload: str, block_size: int = 16, pool_fraction: float = 0.5, policy:
         "ops": ops,
         "per_request_us": round(per_request, 2),
         "per_request_with_extend_us": round(per_request + ops["extend"]["median_us"], 2),
-        "peers": {"sglang_radix_cache_us": {"gsp": 200, "multiturn": 260}[workload],
-                  "vllm_kv_cache_manager_us": {"gsp": 430}.get(workload)},
+        "peers": {"sglang_radix_cache": _sglang(reqs, num_blocks, block_size, per_request, sglang_path)},
         "python": sys.version.split()[0],
     }
+
+
+def _sglang(reqs, num_blocks: int, block_size: int, ours_us: float, path: str | None) -> dict:
+    """SGLang's RadixCache on the same requests and pool, in this run (or why not)."""
+    from bench.peers import sglang_radix
+
+    rc = sglang_radix.load(path)
+    if rc is None:
+        return {"measured": False, "why": "SGLang not installed: make bench-peers"}
+    times, hit_rate = sglang_radix.replay(rc, reqs, num_blocks, block_size)
+    ops = summarize(times)
+    per_request = sum(ops[n]["median_us"] for n in ("open", "commit", "release"))
+    return {"measured": True, "ops": ops, "hit_rate": round(hit_rate, 4),
+            "per_request_us": round(per_request, 2),
+            "prefixd_over_sglang": round(ours_us / per_request, 4)}
 
 
 def main() -> None:
@@ -72,9 +90,11 @@ def main() -> None:
     parser.add_argument("--pool-fraction", type=float, default=0.5)
     parser.add_argument("--policy", default="lru")
     parser.add_argument("--profile", action="store_true", help="cProfile to stderr")
+    parser.add_argument("--sglang-path", help="where SGLang is installed (default bench/out/sglang)")
     parser.add_argument("--json", action="store_true", help="print JSON (the default output)")
     args = parser.parse_args()
-    result = run(args.workload, args.block_size, args.pool_fraction, args.policy, args.profile)
+    result = run(args.workload, args.block_size, args.pool_fraction, args.policy, args.profile,
+                 args.sglang_path)
     print(json.dumps(result, indent=None if args.json else 2))
 
 
