@@ -48,6 +48,8 @@ FORMAT_VERSION = 1
 HEADER_BYTES = 4096
 DATA_OFFSET = HEADER_BYTES  # slots start on a page boundary
 _FIXED = struct.Struct("<8sIIQQQ16sI")
+_DAMAGED_ADVICE = ("restore the file, or move it aside to start that tier empty (the blocks cached "
+                   "in it are lost; the index forgets them only with forget_missing_tier)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,14 +83,15 @@ class PoolHeader:
     def decode(cls, raw: bytes, path: str) -> "PoolHeader":
         """Parse a header; raises HeaderMismatchError naming ``path`` if it is not one."""
         if len(raw) < _FIXED.size or raw[:8] != MAGIC:
-            raise HeaderMismatchError(f"{path} is not a prefixd pool file (bad magic)")
+            raise HeaderMismatchError(f"{path} is not a prefixd pool file (bad magic); {_DAMAGED_ADVICE}")
         magic, version, kind, data_offset, block_bytes, num_slots, file_id, n = _FIXED.unpack_from(raw)
         end = _FIXED.size + n
         if end + 8 > len(raw):
-            raise HeaderMismatchError(f"{path}: pool header is truncated (layout length {n})")
+            raise HeaderMismatchError(f"{path}: pool header is truncated (layout length {n}); {_DAMAGED_ADVICE}")
         (stored,) = struct.unpack_from("<Q", raw, end)
         if stored != xxhash.xxh3_64_intdigest(raw[:end]):
-            raise HeaderMismatchError(f"{path}: pool header checksum does not match (torn or corrupt header)")
+            raise HeaderMismatchError(f"{path}: pool header checksum does not match (torn or corrupt "
+                                      f"header); {_DAMAGED_ADVICE}")
         return cls(kind, block_bytes, num_slots, file_id, bytes(raw[_FIXED.size:end]), version, data_offset)
 
 

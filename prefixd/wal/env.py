@@ -57,7 +57,12 @@ def is_open_here(state_dir: str) -> bool:
 
 # LMDB's errors for a page that does not hold what the B-tree expects (a zeroed or overwritten
 # page): the file is damaged, which is what WalCorruptError says.
-_DAMAGED = (lmdb.CorruptedError, lmdb.PageNotFoundError)
+_DAMAGED = (lmdb.CorruptedError, lmdb.PageNotFoundError,
+            # a transaction LMDB marked failed inside (a damaged page met during a put or a
+            # lookup); our code never reuses a transaction, so this is the file too
+            lmdb.BadTxnError, lmdb.PanicError)
+# ... and for a file whose meta pages are not LMDB's (lmdb.open)
+_NOT_LMDB = _DAMAGED + (lmdb.InvalidError, lmdb.VersionMismatchError)
 
 
 class _ReaderGate:
@@ -113,7 +118,8 @@ class WalEnv:
 
         Raises:
             EnvAlreadyOpenError: this process already has it open.
-            WalCorruptError: ``data.mdb`` is shorter than its meta page says (truncated).
+            WalCorruptError: ``data.mdb`` is shorter than its meta page says (truncated), or
+                LMDB finds it is not an LMDB file of its version (a damaged meta page).
             lmdb.Error: LMDB could not open the files.
         """
         self.state_dir = os.path.realpath(state_dir)
@@ -127,11 +133,20 @@ class WalEnv:
             path = os.path.join(self.state_dir, ENV_DIR)
             os.makedirs(path, mode=0o750, exist_ok=True)
             check_data_file(os.path.join(path, "data.mdb"), self.state_dir)  # a SIGBUS otherwise
-            self.env = lmdb.open(
-                path, map_size=map_size, subdir=True, max_dbs=MAX_DBS, sync=sync, metasync=True,
-                lock=True,
-            )
-            self.log, self.index, self.seqs, self.meta = (self.env.open_db(n) for n in DB_NAMES)
+            try:
+                self.env = lmdb.open(
+                    path, map_size=map_size, subdir=True, max_dbs=MAX_DBS, sync=sync, metasync=True,
+                    lock=True,
+                )
+                self.log, self.index, self.seqs, self.meta = (self.env.open_db(n) for n in DB_NAMES)
+            except lmdb.Error as exc:
+                if getattr(self, "env", None) is not None:
+                    self.env.close()
+                # the base class is what py-lmdb raises for a data format it does not know (a
+                # flipped version field); its subclasses name other causes (permissions, I/O)
+                if isinstance(exc, _NOT_LMDB) or type(exc) is lmdb.Error:
+                    raise WalCorruptError(-1, f"LMDB cannot open data.mdb: {exc}", self.state_dir) from exc
+                raise
         except BaseException:
             with _registry_lock:
                 _registry.pop(self.state_dir, None)

@@ -25,7 +25,7 @@ import lmdb
 import msgpack
 
 from prefixd.wal.env import WalEnv
-from prefixd.wal.errors import StateMismatchError
+from prefixd.wal.errors import StateMismatchError, WalCorruptError
 from prefixd.wal.kinds import kinds_table
 
 log = logging.getLogger(__name__)
@@ -71,8 +71,18 @@ def read_boot_id() -> bytes:
 
 
 def get_u64(txn: lmdb.Transaction, db, key: bytes, default: int = 0) -> int:
+    """A u64 meta entry (``default`` when absent).
+
+    Raises:
+        WalCorruptError: the stored value is not 8 bytes (meta values carry no checksum: its
+            length is what can be checked).
+    """
     raw = txn.get(key, db=db)
-    return default if raw is None else _U64.unpack(raw)[0]
+    if raw is None:
+        return default
+    if len(raw) != _U64.size:
+        raise WalCorruptError(-1, f"meta entry {bytes(key)!r} is {len(raw)} bytes, not {_U64.size}")
+    return _U64.unpack(raw)[0]
 
 
 def put_u64(txn: lmdb.Transaction, db, key: bytes, value: int) -> None:
@@ -90,8 +100,9 @@ def open_meta(wenv: WalEnv, layouts: bytes | None) -> MetaInfo:
         MetaInfo for this open.
 
     Raises:
-        StateMismatchError: format version, kinds or layouts differ from the saved ones, or meta
-            is missing from an environment that holds data.
+        StateMismatchError: format version, kinds or layouts differ from the saved ones.
+        WalCorruptError: meta is missing from an environment that holds data, or an entry does
+            not decode.
     """
     path = wenv.state_dir
     boot_id = read_boot_id()
@@ -102,12 +113,13 @@ def open_meta(wenv: WalEnv, layouts: bytes | None) -> MetaInfo:
         created = raw_version is None
         if created:
             if txn.stat(wenv.log)["entries"] or txn.stat(wenv.index)["entries"]:
-                raise StateMismatchError(path, "format_version", "no meta in an environment with data")
+                raise WalCorruptError(-1, "the meta database is empty in an environment that holds "
+                                      "records (damaged, or emptied by hand)", path)
             put_u64(txn, db, K_FORMAT, FORMAT_VERSION)
             txn.put(K_SEED, os.urandom(ROOT_SEED_SIZE), db=db)
             put_u64(txn, db, K_CHECKPOINT, 0)
         else:
-            saved = _U64.unpack(raw_version)[0]
+            saved = get_u64(txn, db, K_FORMAT)
             if saved != FORMAT_VERSION:
                 raise StateMismatchError(
                     path, "format_version",
@@ -125,18 +137,28 @@ def open_meta(wenv: WalEnv, layouts: bytes | None) -> MetaInfo:
                 raise StateMismatchError(
                     path, "layouts",
                     f"saved {len(saved_layouts)} bytes differ from the configured {len(layouts)} "
-                    f"bytes; the KV layouts changed: use a new state directory for them",
+                    f"bytes; the KV layouts changed: use a new state directory for them, or move "
+                    f"this one away",
                 )
         epoch = get_u64(txn, db, K_EPOCH) + 1
         put_u64(txn, db, K_EPOCH, epoch)
         previous_boot = txn.get(K_BOOT, db=db) or b""
         txn.put(K_BOOT, boot_id, db=db)
+        seed = txn.get(K_SEED, db=db)
+        if seed is None or len(seed) != ROOT_SEED_SIZE:
+            raise WalCorruptError(-1, f"meta root seed is {'absent' if seed is None else len(seed)} "
+                                  f"bytes, not {ROOT_SEED_SIZE}", path)
         return MetaInfo(
-            FORMAT_VERSION, txn.get(K_SEED, db=db), saved_layouts, get_u64(txn, db, K_CHECKPOINT),
+            FORMAT_VERSION, seed, saved_layouts, get_u64(txn, db, K_CHECKPOINT),
             epoch, boot_id, previous_boot, created,
         )
 
-    info = wenv.write(txn_fn)
+    try:
+        info = wenv.write(txn_fn)
+    except WalCorruptError as exc:
+        if exc.path is not None:
+            raise
+        raise WalCorruptError(exc.lsn, exc.reason, path) from exc  # name the directory
     log.info("wal opened path=%s epoch=%s checkpoint_lsn=%s created=%s",
              path, info.epoch, info.checkpoint_lsn, info.created)
     return info
@@ -146,12 +168,19 @@ def _check_kinds(path: str, raw: bytes | None) -> None:
     if raw is None:
         return
     ours = {row[0]: row for row in kinds_table()}
-    for row in msgpack.unpackb(raw):
-        mine = ours.get(row[0])
+    try:
+        rows = msgpack.unpackb(raw)
+        rows = [list(row) for row in rows]
+        codes = [(row[0], row[1]) for row in rows]
+    except (ValueError, TypeError, IndexError) as exc:  # msgpack's errors are ValueErrors
+        raise WalCorruptError(-1, f"the saved kinds table does not decode: {exc!r}", path) from exc
+    for row, (code, name) in zip(rows, codes):
+        mine = ours.get(code)
         if mine is None:
             raise StateMismatchError(
-                path, "kinds", f"the log may hold kind {row[0]} ({row[1]}) that this build lacks "
-                f"(written by a newer prefixd)",
+                path, "kinds", f"the log may hold kind {code} ({name}) that this build lacks "
+                f"(written by a newer prefixd): start that prefixd, or move the state directory away",
             )
         if list(mine) != list(row):
-            raise StateMismatchError(path, "kinds", f"kind {row[0]} saved as {row}, this build has {mine}")
+            raise StateMismatchError(path, "kinds", f"kind {code} saved as {row}, this build has {mine}: "
+                                     f"start the prefixd that wrote it, or move the state directory away")

@@ -94,7 +94,7 @@ def _state(tmp_path, prompts, sizes=SIZES) -> tuple[str, str]:
     for tokens in prompts:
         seq = dc.open(tokens)
         pool.write(seq.block_table, tokens, seq.cached_tokens)
-        dc.commit(seq.id, "power")
+        dc.commit(seq.id, "power").result()
         dc.release(seq.id)
     dc.close()
     return state, shm
@@ -192,7 +192,7 @@ def test_forget_missing_tier_drops_the_lost_blocks_counts_them_and_serves_on(tmp
         fresh = [3001 + i for i in range(9)]
         seq = dc.open(fresh)
         pool.write(seq.block_table, fresh, seq.cached_tokens)
-        dc.commit(seq.id, "power")
+        dc.commit(seq.id, "power").result()
         dc.release(seq.id)
         dc.check_invariants()
     finally:
@@ -222,3 +222,23 @@ def test_a_missing_disk_pool_file_that_held_no_block_is_recreated(tmp_path):
     finally:
         dc.close()
     DurableCache(state, LAYOUT, SIZES, shm_dir=shm).close()  # its new file id was saved
+
+
+def test_a_checkpoint_key_damaged_in_place_is_a_typed_corruption(tmp_path):
+    """Regression (found by the bit-flip fuzz): chunk checksums cover values, not keys, so a
+    flipped bit in the key ``meta`` of the checkpoint made recovery fail with a bare
+    ``KeyError: b'meta'``."""
+    import lmdb
+
+    state, shm = _state(tmp_path, PROMPTS[:1])
+    dc = DurableCache(state, LAYOUT, SIZES, shm_dir=shm)
+    dc.checkpoint()
+    dc.close()
+    env = lmdb.open(os.path.join(state, "wal"), max_dbs=8)
+    index = env.open_db(b"index")
+    with env.begin(write=True, db=index) as txn:
+        (key,) = [k for k in txn.cursor().iternext(values=False) if k.startswith(b"meta")]
+        txn.put(b"mexa" + key[4:], txn.pop(key))
+    env.close()
+    with pytest.raises(WalCorruptError, match="checkpoint's meta does not decode"):
+        DurableCache(state, LAYOUT, SIZES, shm_dir=shm)
