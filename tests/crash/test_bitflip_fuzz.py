@@ -67,7 +67,7 @@ def build(root: Path) -> tuple[str, str]:
         for i, tokens in enumerate(PROMPTS):
             seq = dc.open(tokens)
             pool.write(seq.block_table, tokens, seq.cached_tokens)
-            dc.commit(seq.id, "power" if i < 3 else "crash")
+            dc.commit(seq.id, "power" if i < 3 else "crash").result()
             dc.release(seq.id)
             if i == 2:
                 dc.checkpoint()
