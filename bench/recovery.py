@@ -24,7 +24,18 @@ block), so pool files stay small: this bench is about the index, not the bytes.
 
 ``wal``: ``bench/wal.py``'s floor and wal loops at 64 records per durable commit, in this run.
 
-Usage: ``python bench/recovery.py --json [--sizes 10000,100000,1000000] [--tail 100000]``.
+``long_prompt``: prompts of ~12k tokens (``--long-prompt-tokens``: a shared system prompt and a
+new document, or a new question on a document already served) through a cache of
+``--long-size`` disk blocks with the engine's own checkpoint trigger, served until a third more
+blocks than the disk holds were committed, then closed without a checkpoint (as a crash would
+leave it). Once with the trigger of records alone (``records_only``: ``checkpoint_blocks``
+unbounded, as before) and once with the default (``default``); for each: the tail's records
+and blocks (``tail_blocks``), checkpoints taken while serving and their time, and the cold lazy
+recovery (``ready_s``: median of ``--long-repeats``).
+
+Usage: ``python bench/recovery.py --json [--sizes 10000,100000,1000000] [--tail 100000]
+[--long-size 1000000] [--wal-reps 7]`` (``--sizes ""``, ``--long-size 0``, ``--wal-reps 0`` skip
+a part).
 """
 
 from __future__ import annotations
@@ -45,7 +56,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 from prefixd.api.layout import KVLayout  # noqa: E402
-from prefixd.engine.durable import DurableCache  # noqa: E402
+from prefixd.engine.durable import CHECKPOINT_BLOCKS, DurableCache  # noqa: E402
+from prefixd.wal import Kind  # noqa: E402
 
 BLOCK_SIZE = 16
 LAYOUT = KVLayout("bench-tiny", num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32",
@@ -106,7 +118,7 @@ class Traffic:
 
 def serve(dc: DurableCache, prompt: bytes) -> None:
     seq = dc.open(prompt)
-    dc.commit(seq.id, "index")
+    dc.commit(seq.id, "index").result()
     dc.release(seq.id)
 
 
@@ -117,7 +129,7 @@ def build(state: str, shm: str, n: int, tail: int, seed: int = 0) -> dict:
     traffic = Traffic(seed, num_systems=max(8, n // 5000))
     t0 = time.perf_counter()
     dc = DurableCache(state, LAYOUT, sizes, shm_dir=shm, sync="none", checkpoint_records=1 << 60,
-                      spill_blocks=4096)
+                      checkpoint_blocks=1 << 60, spill_blocks=4096)
     tree = dc.cache.tree
     requests = 0
     tiering = dc.cache.tiering
@@ -149,16 +161,108 @@ def build(state: str, shm: str, n: int, tail: int, seed: int = 0) -> dict:
         if dc.wal.stats().next_lsn - 1 - ckpt_lsn >= tail:
             break
     dc._log()
-    tail_records = dc.wal.stats().next_lsn - 1 - ckpt_lsn
-    for rec in dc.wal.replay(ckpt_lsn):
-        counts[rec.kind.name] = counts.get(rec.kind.name, 0) + 1
+    tail_records, tail_blocks = log_tail(dc, ckpt_lsn, counts)
     final_blocks = list(tree.num_blocks_in)
     dc.close()
     return {"sizes": list(sizes), "build_s": round(build_s, 2), "build_requests": requests,
             "checkpoint_write_s": round(checkpoint_write_s, 3),
             "checkpoint_blocks_by_tier": ckpt_blocks, "checkpoint_nodes": ckpt_nodes,
-            "tail_records": tail_records, "tail_requests": tail_requests, "tail_kinds": counts,
+            "tail_records": tail_records, "tail_blocks": tail_blocks, "tail_requests": tail_requests,
+            "tail_kinds": counts, "blocks_by_tier_at_close": final_blocks}
+
+
+def log_tail(dc: DurableCache, after_lsn: int, counts: dict | None = None) -> tuple[int, int]:
+    """``(records, blocks named by block records)`` in the log after ``after_lsn``."""
+    records = blocks = 0
+    block_kinds = (Kind.BLOCK_PUT, Kind.BLOCK_MOVE, Kind.BLOCK_DROP)
+    for rec in dc.wal.replay(after_lsn):
+        records += 1
+        if rec.kind in block_kinds:
+            blocks += rec.fields[1]
+        if counts is not None:
+            counts[rec.kind.name] = counts.get(rec.kind.name, 0) + 1
+    return records, blocks
+
+
+class LongTraffic:
+    """Long prompts (~``prompt_tokens``): a shared system prompt and a new document, or a new
+    question about a document already served (a long cached prefix)."""
+
+    def __init__(self, seed: int, prompt_tokens: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.system = self.tokens(64)
+        self.doc_blocks = max(1, prompt_tokens // BLOCK_SIZE - 64 - 16)
+        self.docs: list[bytes] = []
+
+    def tokens(self, num_blocks: int) -> bytes:
+        return self.rng.integers(0, VOCAB, num_blocks * BLOCK_SIZE, dtype="<i4").tobytes()
+
+    def next_prompt(self) -> bytes:
+        rng = self.rng
+        if self.docs and rng.random() < 0.3:
+            base = self.docs[int(rng.integers(len(self.docs)))]
+        else:
+            base = self.system + self.tokens(self.doc_blocks)
+            self.docs.append(base)
+            if len(self.docs) > 512:
+                self.docs = self.docs[-256:]
+        return base + self.tokens(int(rng.integers(4, 17))) + self.tokens(1)[:4 * 3]
+
+
+def build_long(state: str, shm: str, n: int, prompt_tokens: int, checkpoint_blocks: int,
+               seed: int = 0) -> dict:
+    """Serve long prompts with the engine's own checkpoint trigger until about ``n`` blocks
+    went to disk and a third more (the disk tier full and evicting), then close without a
+    checkpoint: what a crash would leave."""
+    sizes = (DEVICE_BLOCKS, HOST_BLOCKS, n)
+    traffic = LongTraffic(seed, prompt_tokens)
+    dc = DurableCache(state, LAYOUT, sizes, shm_dir=shm, sync="none", checkpoint_blocks=checkpoint_blocks)
+    checkpoints = []
+    taken = dc.checkpoint
+
+    def counted() -> int:
+        t = time.perf_counter()
+        lsn = taken()
+        checkpoints.append(time.perf_counter() - t)
+        return lsn
+
+    dc.checkpoint = counted
+    t0 = time.perf_counter()
+    requests = stored = 0
+    while stored < n * 4 // 3:
+        before = dc.cache.stats.committed_blocks
+        serve(dc, traffic.next_prompt())
+        stored += dc.cache.stats.committed_blocks - before
+        requests += 1
+    serve_s = time.perf_counter() - t0
+    dc._log()
+    ckpt_lsn = dc.wal.with_checkpoint(lambda lsn, index, seqs: lsn)
+    tail_records, tail_blocks = log_tail(dc, ckpt_lsn)
+    final_blocks = list(dc.cache.tree.num_blocks_in)
+    dc.close()
+    return {"sizes": list(sizes), "checkpoint_blocks": checkpoint_blocks, "requests": requests,
+            "blocks_committed": stored, "serve_s": round(serve_s, 2),
+            "checkpoints": len(checkpoints), "checkpoint_s_total": round(sum(checkpoints), 2),
+            "tail_records": tail_records, "tail_blocks": tail_blocks,
             "blocks_by_tier_at_close": final_blocks}
+
+
+def long_section(root: str, shm: str, n: int, prompt_tokens: int, repeats: int) -> dict:
+    """The long-prompt case, with the records-only trigger (as before) and the default one."""
+    out = {"prompt_tokens": prompt_tokens, "cache_blocks": n}
+    for name, bound in (("records_only", 1 << 60), ("default", CHECKPOINT_BLOCKS)):
+        state = os.path.join(root, f"long-{name}")
+        shm_n = os.path.join(shm, f"long-{name}")
+        os.makedirs(shm_n)
+        built = build_long(state, shm_n, n, prompt_tokens, bound)
+        runs = sorted((recover(state, shm_n, built["sizes"], "lazy") for _ in range(repeats)),
+                      key=lambda r: r["ready_s"])
+        out[name] = {"build": built, "lazy": runs[len(runs) // 2],
+                     "lazy_ready_s_runs": [r["ready_s"] for r in runs],
+                     "ready_s": runs[len(runs) // 2]["ready_s"], "tail_blocks": built["tail_blocks"]}
+        shutil.rmtree(state, ignore_errors=True)
+        shutil.rmtree(shm_n, ignore_errors=True)
+    return out
 
 
 def drop_page_cache() -> bool:
@@ -188,6 +292,7 @@ def recover(state: str, shm: str, sizes: list[int], verify: str) -> dict:
         result[k] = round(rec[k], 4)
     result["recover_record_s"] = round(rec["ready_s"] - sum(rec[k] for k in ("open_s", "checkpoint_load_s", "replay_s", "reconcile_s")), 4)
     result["records_replayed"] = rec["records_replayed"]
+    result["blocks_replayed"] = rec.get("blocks_replayed")
     if "verified_blocks" in rec:
         result["verified_blocks"] = rec["verified_blocks"]
     result["blocks_by_tier"] = rec["blocks"]
@@ -236,8 +341,12 @@ def main() -> None:
     ap.add_argument("--wal-records", type=int, default=19_200)
     ap.add_argument("--dir", default=None, help="where state directories are built (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the state directories")
+    ap.add_argument("--long-size", type=int, default=1_000_000,
+                    help="disk blocks of the long-prompt case (0: skip it)")
+    ap.add_argument("--long-prompt-tokens", type=int, default=12_000)
+    ap.add_argument("--long-repeats", type=int, default=3)
     args = ap.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = [int(s) for s in args.sizes.split(",") if s]
     root = tempfile.mkdtemp(prefix="prefixd-bench-recovery-", dir=args.dir)
     shm = tempfile.mkdtemp(prefix="prefixd-bench-recovery-", dir="/dev/shm")
     result: dict = {"bench": "recovery",
@@ -270,10 +379,14 @@ def main() -> None:
             if not args.keep:
                 shutil.rmtree(state, ignore_errors=True)
                 shutil.rmtree(shm_n, ignore_errors=True)
-        result["wal"] = wal_section(args.wal_reps, args.wal_records)
-        result["wal.records_per_s"] = result["wal"]["wal.records_per_s"]
-        result["wal.floor_records_per_s"] = result["wal"]["wal.floor_records_per_s"]
-        result["wal.ratio"] = result["wal"]["wal.ratio"]
+        if args.long_size:
+            result["long_prompt"] = long_section(root, shm, args.long_size, args.long_prompt_tokens,
+                                                 args.long_repeats)
+        if args.wal_reps:
+            result["wal"] = wal_section(args.wal_reps, args.wal_records)
+            result["wal.records_per_s"] = result["wal"]["wal.records_per_s"]
+            result["wal.floor_records_per_s"] = result["wal"]["wal.floor_records_per_s"]
+            result["wal.ratio"] = result["wal"]["wal.ratio"]
         result["host_load_at_end"] = round(os.getloadavg()[0], 2)
     finally:
         if not args.keep:

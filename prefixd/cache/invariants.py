@@ -35,6 +35,8 @@ def check_tree(tree) -> dict:
                         resident[t] += node.num_blocks
                 if node.checksums is not None:
                     assert len(node.checksums) == node.num_blocks
+                assert not node.disk_verified or node.slots[2] is not None, \
+                    "a run not on disk is marked disk-verified"
                 seen[id(node)] = node
                 stack.append(node)
             assert kids_in == parent.kids_in, f"kids_in {parent.kids_in} != actual {kids_in}"

@@ -18,6 +18,9 @@ class Node:
             not resident in that tier. A run is resident in a tier wholly or not at all: a
             partial eviction or promotion splits the node first.
         checksums: per block, the checksum of its bytes once written down (else ``None``).
+        disk_verified: the disk copy's bytes are known good in this process: it wrote them, or
+            read them back against ``checksums`` (a promotion, an eager verify). A disk copy
+            found by a recovery is unverified until then: a lookup does not promise it.
         kids_in: per tier, how many children are resident in that tier.
         lock_ref: sequences whose deepest indexed node is this one. A referenced block is on
             the path from the root to some locked node: the path above a locked node always has
@@ -30,12 +33,12 @@ class Node:
     Invariants (checked by ``PrefixCache.check_invariants``): ``len(tokens) ==
     num_blocks * block_bytes``; ``key == tokens[:block_bytes]``; resident in tier T implies the
     parent is resident in T (or is a root): every tier holds root-anchored prefixes; every
-    non-root node is resident in at least one tier.
+    non-root node is resident in at least one tier; ``disk_verified`` implies resident on disk.
     """
 
     __slots__ = (
         "parent", "children", "key", "tokens", "num_blocks", "hashes", "slots", "checksums",
-        "kids_in", "lock_ref", "last_access", "hit_count", "priority", "heap_tag",
+        "disk_verified", "kids_in", "lock_ref", "last_access", "hit_count", "priority", "heap_tag",
     )
 
     def __init__(self, parent, key, tokens, num_blocks, hashes, slots, last_access=0):
@@ -47,6 +50,7 @@ class Node:
         self.hashes: list[bytes] = hashes
         self.slots: list[list[int] | None] = slots
         self.checksums: list[int] | None = None
+        self.disk_verified = False
         self.kids_in = [0, 0, 0]
         self.lock_ref = 0
         self.last_access = last_access
@@ -86,6 +90,7 @@ def split(node: Node, k: int, block_bytes: int) -> Node:
         [None if s is None else s[:k] for s in node.slots], node.last_access,
     )
     head.hit_count = node.hit_count
+    head.disk_verified = node.disk_verified
     head.priority = node.priority
     if node.checksums is not None:
         head.checksums = node.checksums[:k]

@@ -108,6 +108,8 @@ class Tiering:
         else:
             alloc.free(slots)
         self.cache.events.append(new_event(BlocksDropped, (tier, node.hashes, slots, forgotten)))
+        if tier == DISK:
+            node.disk_verified = False
         if forgotten:
             node.checksums = None
         return len(slots)
@@ -196,6 +198,8 @@ class Tiering:
             else:
                 sums = []  # already known: the move record need not repeat them
             self.tree.set_residency(n, tier, mine)
+            if tier == DISK:
+                n.disk_verified = True  # its bytes come from this process's memory tiers
             self.cache.events.append(new_event(BlocksMoved, (tier, n.hashes, mine, sums)))
 
     @staticmethod
@@ -277,6 +281,7 @@ class Tiering:
             if good < n.num_blocks:
                 head = self.cut_corrupt(n, good)
                 if head is not None:
+                    head.disk_verified = True  # its blocks passed, up to the bad one
                     self.tree.set_residency(head, DEVICE, dst[:good])
                     self._moved(head, DEVICE)
                     stats.hit_tokens_by_tier[src] += good * bs
@@ -284,6 +289,8 @@ class Tiering:
                     pos += good
                 break
             crash_point("promote_inside")
+            if src == DISK:
+                n.disk_verified = True
             self.tree.set_residency(n, DEVICE, dst)
             self._moved(n, DEVICE)
             stats.hit_tokens_by_tier[src] += n.num_blocks * bs

@@ -127,6 +127,7 @@ def _recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify
     t3 = time.perf_counter()
     phases["replay_s"] = t3 - t2
     phases["records_replayed"] = replayer.records
+    phases["blocks_replayed"] = replayer.blocks
     replayer.restart(keep_host)  # the end of the log: what this restart drops, as a RECOVER does
     phases["forgotten_blocks"] = 0 if lost is None else _forget_lost_tier(self, tree, seqs, DISK, lost)
     phases["device_runs_missed"] = replayer.device_runs_missed  # a bug if not 0: see Replayer.restart
@@ -155,7 +156,8 @@ def _recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify
         phases["verified_blocks"] = verify_disk(self)
     t4 = time.perf_counter()
     phases["reconcile_s"] = t4 - t3
-    self._since_checkpoint = 0
+    # the replayed tail stays in the log until the next checkpoint: it counts toward the trigger
+    self._since_checkpoint, self._tail_blocks = replayer.records, replayer.blocks
     if first_start:
         self.checkpoint()
     else:
@@ -281,6 +283,10 @@ def verify_disk(self) -> int:
             continue
         ok = self.store.verify(Tier.DISK, node.slots[DISK], node.checksums)
         checked += len(ok)
-        if not all(ok):
-            self.cache.tiering.cut_corrupt(node, ok.index(False))
+        if all(ok):
+            node.disk_verified = True
+            continue
+        head = self.cache.tiering.cut_corrupt(node, ok.index(False))
+        if head is not None:
+            head.disk_verified = True
     return checked

@@ -86,6 +86,7 @@ class Replayer:
         self.where: dict[bytes, Node] | None = None
         self.runs: dict[bytes, Node] = {}  # first hash || last hash -> the node that is exactly that run
         self.records = 0
+        self.blocks = 0  # blocks decoded one by one (``prefixd.engine.durable.replay_blocks``)
         self.device_runs: list[Node] = []
         self.max_seq_id = 0  # the highest sequence id an OPEN or FORK record named
         self.device_runs_missed = 0  # restarts whose device runs were not all tracked (a bug)
@@ -218,7 +219,7 @@ class Replayer:
         num_in = tree.num_blocks_in
         seqs = self.seqs
         u32 = _U32
-        count = 0
+        count = blocks = 0
         lsn = 0
         try:
             for lsn, values in batches:
@@ -243,6 +244,7 @@ class Replayer:
                                     raise ReplayError(f"BLOCK_DROP lsn {lsn}: a run resident nowhere keeps children")
                                 del parent.children[node.key]
                                 self.forget(node)
+                                blocks += n
                         else:
                             if slots[tier] is not None:
                                 raise ReplayError(f"BLOCK_MOVE lsn {lsn}: run already resident in tier {tier}")
@@ -253,12 +255,15 @@ class Replayer:
                             else:
                                 slots[tier] = list(_unpacker("I", n)(value, at))
                                 at += 4 * n
+                                blocks += n
                             num_in[tier] += n
                             node.parent.kids_in[tier] += 1
                             if len(value) > at + _CRC:  # new or changed checksums
                                 node.checksums = list(_unpacker("Q", n)(value, at))
                     elif kind == _PUT:
-                        self._put(lsn, u32(value, 2)[0], value[_B:-_CRC])
+                        n = u32(value, 2)[0]
+                        blocks += n
+                        self._put(lsn, n, value[_B:-_CRC])
                     elif kind == _OPEN:
                         seq_id, session_id = _OPEN_IDS(value, 1)
                         self._open(seq_id, session_id, value[_OPEN_B:-_CRC])
@@ -288,6 +293,7 @@ class Replayer:
             raise ReplayError(f"lsn {lsn}: record does not fit its kind's layout: {exc}") from None
         finally:
             self.records += count
+            self.blocks += blocks
 
     def _put(self, lsn: int, n: int, blob: bytes) -> None:
         tree, bb = self.tree, self.block_bytes
