@@ -101,7 +101,8 @@ LMDB commits are atomic, a crash loses whole groups and never leaves a torn reco
 torn-tail rule, and any bad record or gap raises ``WalCorruptError(lsn, reason)``.
 ``replay_batches(after_lsn)`` gives the same records, equally verified, as batches of raw values
 (``(lsn of the first, [value, ...])``) for a caller that decodes fields itself; ``prefetch``
-starts a thread that pulls the log's pages into the page cache meanwhile. After a restart
+starts a thread that pulls the log's pages into the page cache meanwhile (a hint: bounded,
+stopped by ``Prefetch.stop()`` or ``close``, never a check of the log). After a restart
 the lsn counter continues at max(last log lsn, checkpoint lsn) + 1.
 
 Process rules
