@@ -41,11 +41,13 @@ def check_tree(tree) -> dict:
                 stack.append(node)
             assert kids_in == parent.kids_in, f"kids_in {parent.kids_in} != actual {kids_in}"
     assert resident == tree.num_blocks_in, f"num_blocks_in {tree.num_blocks_in} != {resident}"
+    assert all(n.lock_ref > 0 and n.parent is not None for n in tree.locked), "an unlocked node in tree.locked"
+    assert all(n in tree.locked for n in seen.values() if n.lock_ref), "a locked node missing from tree.locked"
     for t, queue in enumerate(tree.queues):
         queue.check_invariants()
         live = {id(n) for n in queue.live_nodes()}
         for node in seen.values():
-            assert (id(node) in live) == tree._evictable(node, t), \
+            assert (id(node) in live) == tree.evictable(node, t), \
                 f"{node} evictable from tier {t} but queue membership disagrees"
     return seen
 
@@ -64,10 +66,12 @@ def check_cache(cache, extra_locks=()) -> None:
     assert all(c == 1 for c in owners.values()), "a device slot is in the index twice"
 
     locks: Counter = Counter(id(n) for n in extra_locks)
+    shared_tail = cache.shared_tails()
     tails: Counter = Counter()
     private: Counter = Counter()
-    for seq_id, seq in cache._seqs.items():
-        assert seq.id == seq_id
+    for seq in cache.sequences():
+        seq_id = seq.id
+        assert cache.sequence(seq_id) is seq
         n = seq.num_tokens
         assert len(seq.block_table) == -(-n // bs), f"seq {seq_id}: table length wrong"
         node = seq.node
@@ -80,14 +84,14 @@ def check_cache(cache, extra_locks=()) -> None:
         assert b"".join(p.tokens for p in path) == bytes(seq.tokens[:seq.num_indexed * bb]), \
             f"seq {seq_id}: indexed tokens differ from the sequence's"
         tail = seq.block_table[seq.num_indexed:]
-        if tail and n % bs and tail[-1] in cache._shared_tail:
+        if tail and n % bs and tail[-1] in shared_tail:
             tails[tail[-1]] += 1
             tail = tail[:-1]
         private.update(tail)
         private.update(seq.dup_slots)
     for node in nodes.values():
         assert node.lock_ref == locks.get(id(node), 0), f"{node}: lock_ref != sequences locking it"
-    assert dict(tails) == {s: c for s, c in cache._shared_tail.items()}, "shared tail counts drifted"
+    assert dict(tails) == shared_tail, "shared tail counts drifted"
     for slot, count in tails.items():
         assert count >= 2 and slot not in private and slot not in owners
     assert all(c == 1 for c in private.values()), "a private slot is owned twice"
@@ -114,6 +118,6 @@ def check_cache(cache, extra_locks=()) -> None:
 def block_ref_counts(cache) -> dict[int, int]:
     """Device slot -> number of sequences whose block table holds it (the refcount)."""
     counts: Counter = Counter()
-    for seq in cache._seqs.values():
+    for seq in cache.sequences():
         counts.update(set(seq.block_table) | set(seq.dup_slots))
     return dict(counts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from prefixd.api.layout import as_token_bytes
@@ -14,29 +15,9 @@ from prefixd.cache.node import DEVICE, DISK, Node
 from prefixd.cache.policy import make_policy
 from prefixd.cache.radix import RadixTree
 from prefixd.cache.sequence import Sequence
+from prefixd.cache.stats import CacheStats  # noqa: F401 (re-exported)
+from prefixd.cache.allocation import Allocation, device_prefix
 from prefixd.storage.slots import SlotAllocator
-
-
-class CacheStats:
-    """Counters (the daemon exports them as metrics)."""
-
-    __slots__ = ("requested_tokens", "hit_tokens", "opens", "evicted_blocks", "evict_ns",
-                 "cow_blocks", "committed_blocks", "corrupt_blocks", "hit_tokens_by_tier")
-
-    def __init__(self) -> None:
-        for name in self.__slots__:
-            setattr(self, name, 0)
-        self.hit_tokens_by_tier = [0, 0, 0]  # promoted from host [1] / disk [2]; [0] unused
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.requested_tokens if self.requested_tokens else 0.0
-
-    def as_dict(self) -> dict:
-        out = {name: getattr(self, name) for name in self.__slots__}
-        _, host, disk = self.hit_tokens_by_tier
-        out["hit_tokens_by_tier"] = {"device": self.hit_tokens - host - disk, "host": host, "disk": disk}
-        return out | {"hit_rate": self.hit_rate}
 
 
 class LookupResult(NamedTuple):
@@ -112,6 +93,7 @@ class PrefixCache:
             self.tiering = Tiering(self, data, write_policy, selective_hits)
         self.stats = CacheStats()
         self.events: list = []
+        self.allocation = Allocation(self)
         self._seqs: dict[int, Sequence] = {}
         self._shared_tail: dict[int, int] = {}
         self._next_id = 1
@@ -138,6 +120,31 @@ class PrefixCache:
     @property
     def num_sequences(self) -> int:
         return len(self._seqs)
+
+    def sequences(self) -> Iterable[Sequence]:
+        """The live sequences, oldest first (a view: do not open or release while iterating)."""
+        return self._seqs.values()
+
+    def shared_tails(self) -> dict[int, int]:
+        """Device slot -> how many forked siblings share it as their partial last block (only
+        slots shared by more than one); a copy."""
+        return dict(self._shared_tail)
+
+    @property
+    def next_seq_id(self) -> int:
+        """The id the next open or fork gives (checkpoints save it)."""
+        return self._next_id
+
+    def restore_next_seq_id(self, next_id: int) -> None:
+        """Recovery only: continue numbering after every id the log or checkpoint named, so
+        that no id is given twice across restarts.
+
+        Raises:
+            ValueError: ``next_id`` would go back (a live sequence may hold a later id).
+        """
+        if next_id < self._next_id:
+            raise ValueError(f"next sequence id {next_id} is below {self._next_id}: ids would repeat")
+        self._next_id = next_id
 
     def lookup(self, tokens, extra: bytes = b"") -> LookupResult:
         """Cached tokens for ``tokens``, without pinning or touching anything.
@@ -183,8 +190,15 @@ class PrefixCache:
         if not num_tokens:
             raise InvalidTokens("cannot open an empty sequence")
         tree = self.tree
-        root = tree.roots.get(extra) or tree.root(extra)
-        path = tree.match(root, tokens, (num_tokens - (not full_match)) // bs)
+        root = tree.roots.get(extra)
+        max_blocks = (num_tokens - (not full_match)) // bs
+        total = -(-num_tokens // bs)
+        if total > self.device.num_free:  # it may evict: check that it can succeed first
+            pairs = tree.peek(root, tokens, max_blocks) if root is not None else []
+            self.allocation.ensure_room(total - device_prefix(pairs), pairs)
+        if root is None:
+            root = tree.root(extra)
+        path = tree.match(root, tokens, max_blocks)
         if path and path[-1].slots[DEVICE] is None:
             path = self.tiering.promote(path)
         if path:
@@ -209,11 +223,10 @@ class PrefixCache:
         need = -(-num_tokens // bs) - num_cached
         slots = self.device.allocate(need)
         if slots is None:
-            try:
-                slots = self._allocate(need)
-            except OutOfBlocks:
+            slots = self.allocation.allocate(DEVICE, need)
+            if slots is None:  # ``ensure_room`` said it could: a bug, but refuse cleanly
                 tree.unlock(node)
-                raise
+                raise OutOfBlocks(need, self.device.num_free)
         table += slots
         seq_id = self._next_id
         self._next_id = seq_id + 1
@@ -241,7 +254,12 @@ class PrefixCache:
         old = len(seq.tokens) >> 2
         need = -(-(old + (len(add) >> 2)) // bs) - len(table)
         cow = bool(old % bs and self._shared_tail and table[-1] in self._shared_tail)
-        slots = self._allocate(need + cow) if need + cow else []
+        slots = []
+        if need + cow:
+            self.allocation.ensure_room(need + cow)
+            slots = self.allocation.allocate(DEVICE, need + cow)
+            if slots is None:  # ``ensure_room`` said it could: a bug, but refuse cleanly
+                raise OutOfBlocks(need + cow, self.device.num_free)
         if cow:
             new_slot = slots.pop()
             self._copy_on_write(seq, new_slot)
@@ -308,14 +326,22 @@ class PrefixCache:
         self.device.free(owned)
         self.events.append(new_event(SeqReleased, (seq_id,)))
 
+    def release_recovered(self, seq_id: int, node: Node) -> None:
+        """Release a sequence that survived a restart only as a lock on ``node`` (held by the
+        engine until its client reclaims it or the grace period ends): unlock it and emit
+        ``SeqReleased``, so that its release is logged like any other."""
+        self.tree.unlock(node)
+        self.events.append(new_event(SeqReleased, (seq_id,)))
+
     def evict(self, num_blocks: int, tier: int = DEVICE) -> int:
         """Evict at least ``num_blocks`` unreferenced blocks of ``tier`` if there are that many
         (whole runs, so possibly more); returns how many were freed."""
-        if tier == DEVICE:
-            return self._evict(num_blocks)
-        if self.allocators[tier] is None:
-            raise ValueError(f"tier {tier} is not present")
-        return self.tiering.evict(tier, num_blocks)
+        return self.allocation.evict(tier, num_blocks)
+
+    def can_allocate(self, n: int, path=()) -> bool:
+        """Whether ``n`` device slots can be had, evicting as needed, with ``path`` (``peek``'s
+        pairs of a match about to be locked) pinned too; changes nothing."""
+        return self.allocation.can_allocate(n, path)
 
     # -- internals -----------------------------------------------------------------------
 
@@ -328,37 +354,6 @@ class PrefixCache:
             return as_token_bytes(tokens)
         except (ValueError, TypeError) as exc:
             raise InvalidTokens(str(exc)) from None
-
-    def _allocate(self, n: int) -> list[int]:
-        slots = self.device.allocate(n)
-        if slots is None:
-            self._evict(n - self.device.num_free)
-            slots = self.device.allocate(n)
-            if slots is None:
-                raise OutOfBlocks(n, self.device.num_free)
-        return slots
-
-    def _evict(self, num_blocks: int) -> int:
-        start = time.perf_counter_ns()
-        if self.tiering is not None:
-            freed = self.tiering.evict(DEVICE, num_blocks)
-            self.stats.evicted_blocks += freed
-            self.stats.evict_ns += time.perf_counter_ns() - start
-            return freed
-        tree, freed = self.tree, 0
-        pop, drop = tree.queues[DEVICE].pop, tree.drop_residency
-        free, append = self.device.free, self.events.append
-        while freed < num_blocks:
-            node = pop()
-            if node is None:
-                break
-            slots, forgotten = drop(node, DEVICE)
-            free(slots)
-            freed += len(slots)
-            append(new_event(BlocksDropped, (DEVICE, node.hashes, slots, forgotten)))
-        self.stats.evicted_blocks += freed
-        self.stats.evict_ns += time.perf_counter_ns() - start
-        return freed
 
     def _commit(self, seq: Sequence) -> int:
         bb = self.block_bytes

@@ -43,6 +43,7 @@ class RadixTree:
         self.queues = [EvictionQueue(t, policy) for t in range(NUM_TIERS)]
         self.num_blocks_in = [0] * NUM_TIERS
         self.clock = 0
+        self.locked: set[Node] = set()  # every non-root node with ``lock_ref > 0``
 
     def root(self, extra: bytes) -> Node:
         root = self.roots.get(extra)
@@ -149,13 +150,11 @@ class RadixTree:
         rest = tokens[pos:] if pos else tokens
         mine = slots[first:] if first else slots
         new = Node(node, rest[:bb], rest, (n - pos) // bb,
-                   chain_hashes(node.hashes[-1], rest, bb), [mine, None, None], clock)
+                   chain_hashes(node.hashes[-1], rest, bb), [None, None, None], clock)
         new.lock_ref = 1  # locked for the caller before it can enter an eviction queue
+        self.locked.add(new)
         node.children[new.key] = new
-        self.num_blocks_in[DEVICE] += new.num_blocks
-        node.kids_in[DEVICE] += 1
-        if node.heap_tag[DEVICE]:
-            self.queues[DEVICE].discard(node)
+        self.set_residency(new, DEVICE, mine)
         if tree_slots is not None:
             tree_slots += mine
         else:
@@ -164,46 +163,69 @@ class RadixTree:
 
     # -- residency and eviction ----------------------------------------------------------
 
-    def _evictable(self, node: Node, tier: int) -> bool:
+    def evictable(self, node: Node, tier: int) -> bool:
+        """Whether ``node`` belongs in ``tier``'s eviction queue (resident there, no child
+        resident there, unlocked, not a root)."""
         return (node.parent is not None and node.slots[tier] is not None
                 and not node.kids_in[tier] and not node.lock_ref)
 
-    def set_residency(self, node: Node, tier: int, slots: list[int]) -> None:
-        """Record that ``node``'s blocks now live in ``tier`` at ``slots``."""
-        assert node.slots[tier] is None and len(slots) == node.num_blocks
+    def place(self, node: Node, tier: int, slots: list[int]) -> None:
+        """Record ``node``'s copy in ``tier`` at ``slots``: its slots, the tier's block count
+        and the parent's ``kids_in``, but not the eviction queues.
+
+        NOTE: this and ``unplace`` are the one copy of residency bookkeeping. Live operations
+        use ``set_residency`` / ``drop_residency`` (these plus the queues); replay,
+        reconciliation and checkpoint load use them bare, once per record or run, and rebuild
+        the queues once at the end (``rebuild_queues``).
+        """
         node.slots[tier] = slots
         self.num_blocks_in[tier] += node.num_blocks
+        node.parent.kids_in[tier] += 1
+
+    def unplace(self, node: Node, tier: int) -> tuple[list[int], bool]:
+        """Forget ``node``'s copy in ``tier`` (not the queues); returns ``(its slots,
+        forgotten)``. A node resident nowhere leaves the tree (it can have no children then:
+        each child would be resident in some tier, and so would this node).
+
+        Raises:
+            ValueError: the node would be resident nowhere but keeps children (a log that
+                does not fit the tree; live operations never get here).
+        """
+        s = node.slots
+        slots = s[tier]
+        s[tier] = None
+        self.num_blocks_in[tier] -= node.num_blocks
         parent = node.parent
-        parent.kids_in[tier] += 1
-        self.queues[tier].discard(parent)
-        if self._evictable(node, tier):
+        parent.kids_in[tier] -= 1
+        if s[0] is None and s[1] is None and s[2] is None:
+            if node.children:
+                raise ValueError(f"{node} is resident nowhere but keeps {len(node.children)} children")
+            del parent.children[node.key]
+            return slots, True
+        return slots, False
+
+    def set_residency(self, node: Node, tier: int, slots: list[int]) -> None:
+        """Record that ``node``'s blocks now live in ``tier`` at ``slots`` (queues kept)."""
+        assert node.slots[tier] is None and len(slots) == node.num_blocks
+        self.place(node, tier, slots)
+        self.queues[tier].discard(node.parent)
+        if self.evictable(node, tier):
             self.queues[tier].add(node)
 
     def drop_residency(self, node: Node, tier: int) -> tuple[list[int], bool]:
-        """Forget ``node``'s copy in ``tier``; returns ``(freed slots, forgotten)``.
-
-        A node resident nowhere leaves the tree (it can have no children then: each child
-        would be resident in some tier, and so would this node).
-        """
-        slots = node.slots[tier]
-        node.slots[tier] = None
-        self.num_blocks_in[tier] -= node.num_blocks
-        if node.heap_tag[tier]:
+        """Forget ``node``'s copy in ``tier`` (queues kept); returns ``(freed slots,
+        forgotten)`` as ``unplace`` does."""
+        slots, forgotten = self.unplace(node, tier)
+        tags = node.heap_tag
+        if tags[tier]:
             self.queues[tier].discard(node)
         parent = node.parent
-        kids = parent.kids_in
-        kids[tier] -= 1
-        if not kids[tier] and self._evictable(parent, tier):
+        if not parent.kids_in[tier] and self.evictable(parent, tier):
             self.queues[tier].add(parent)
-        s = node.slots
-        if s[0] is None and s[1] is None and s[2] is None:
-            del parent.children[node.key]
-            tags = node.heap_tag
-            if tags[0] or tags[1] or tags[2]:
-                for queue in self.queues:
-                    queue.discard(node)
-            return slots, True
-        return slots, False
+        if forgotten and (tags[0] or tags[1] or tags[2]):
+            for queue in self.queues:
+                queue.discard(node)
+        return slots, forgotten
 
     def pop_victim(self, tier: int) -> Node | None:
         """The next node to evict from ``tier`` (removed from its queue), or ``None``.
@@ -221,15 +243,42 @@ class RadixTree:
             if tags[0] or tags[1] or tags[2]:
                 for queue in self.queues:
                     queue.discard(node)
+            if node.parent is not None:
+                self.locked.add(node)
         node.lock_ref += 1
 
     def unlock(self, node: Node) -> None:
         node.lock_ref -= 1
         if not node.lock_ref and node.parent is not None:
+            self.locked.discard(node)
             slots, kids = node.slots, node.kids_in
             for tier in self.tiers:
                 if slots[tier] is not None and not kids[tier]:
                     self.queues[tier].add(node)
+
+    def pinned_device_blocks(self, path=()) -> int:
+        """Device blocks that no eviction can free: every device-resident locked node and the
+        path above it (each node's device subtree holds a lock). ``path``: ``(node, blocks)``
+        pairs of a match about to be locked (``peek``'s), counted as pinned too.
+
+        Costs one step per pinned node (the walk up stops at the first node already seen);
+        ``PrefixCache.can_allocate`` calls it only when a request must evict.
+        """
+        seen: set[int] = set()
+        pinned = 0
+        for node in self.locked:
+            if node.slots[DEVICE] is None:
+                continue  # a lock off the device (a recovered sequence) pins nothing there
+            while node.parent is not None and id(node) not in seen:
+                seen.add(id(node))
+                pinned += node.num_blocks
+                node = node.parent
+        for node, k in path:
+            if node.slots[DEVICE] is None:
+                break  # device residency is root-anchored: the rest of the path is not there
+            if id(node) not in seen:
+                pinned += k  # a match ending inside ``node`` splits it and locks the head only
+        return pinned
 
     def rebuild_queues(self, order=None) -> None:
         """Fresh eviction queues holding exactly the evictable nodes (after recovery).

@@ -36,9 +36,6 @@ log = logging.getLogger(__name__)
 WRITE_POLICIES = ("write_through", "write_back", "selective")
 
 
-
-
-
 class Tiering:
     """Moves runs between the tiers of one cache.
 
@@ -66,19 +63,7 @@ class Tiering:
         self.pending_disk: list[Node] = []
         self.pending_disk_blocks = 0
 
-    # -- allocation and eviction ----------------------------------------------------------
-
-    def allocate(self, tier: int, n: int) -> list[int] | None:
-        """``n`` slots of ``tier``, evicting there as needed; ``None`` if they cannot be had."""
-        alloc = self.allocs[tier]
-        slots = alloc.allocate(n)
-        if slots is None:
-            self.evict(tier, n - alloc.num_free)
-            slots = alloc.allocate(n)
-            if slots is None and alloc.num_deferred and self.cache.on_deferred_shortage:
-                self.cache.on_deferred_shortage()
-                slots = alloc.allocate(n)
-        return slots
+    # -- eviction ------------------------------------------------------------------------
 
     def evict(self, tier: int, num_blocks: int) -> int:
         """Free at least ``num_blocks`` slots of ``tier`` if the queue allows; returns freed."""
@@ -152,7 +137,7 @@ class Tiering:
             self.tree.lock(n)
         try:
             need = sum(n.num_blocks for n in chain)
-            slots = self.allocate(tier, need)
+            slots = self.cache.allocation.allocate(tier, need)
             if slots is None:
                 log.debug("write-down skipped tier=%s blocks=%d: no room", TIER_NAMES[tier], need)
                 return False
@@ -244,21 +229,13 @@ class Tiering:
             self.tree.lock(n)
         try:
             need = sum(n.num_blocks for n in path[first:])
-            slots = self._device_slots(need)
+            slots = self.cache.allocation.allocate(DEVICE, need)
             if slots is None:
                 return path[:first]
             return path[:first] + self._promote_runs(path[first:], slots)
         finally:
             for n in path:
                 self.tree.unlock(n)
-
-    def _device_slots(self, need: int) -> list[int] | None:
-        alloc = self.allocs[DEVICE]
-        slots = alloc.allocate(need)
-        if slots is None:
-            self.evict(DEVICE, need - alloc.num_free)
-            slots = alloc.allocate(need)
-        return slots
 
     def _promote_runs(self, runs: list[Node], slots: list[int]) -> list[Node]:
         stats = self.cache.stats

@@ -3,8 +3,9 @@
 At a RECOVER record in the log and at the end of the log: device residency is dropped (a GPU
 pool dies with the process); host residency too unless the host pool survived (same boot);
 runs resident nowhere are forgotten, children before parents, so that a run is forgotten only
-once nothing below it needs it. Sequences move to their deepest surviving node. Eviction
-queues and allocators are rebuilt by the caller afterwards (``RadixTree.rebuild_queues``).
+once nothing below it needs it (``RadixTree.unplace``: the bookkeeping live operations use,
+without the queues). Sequences move to their deepest surviving node. Eviction queues and
+allocators are rebuilt by the caller afterwards (``RadixTree.rebuild_queues``).
 """
 
 from __future__ import annotations
@@ -12,27 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from prefixd.cache.node import DEVICE, HOST, Node
-
-
-def set_residency(tree, node: Node, tier: int, slots: list[int]) -> None:
-    """``RadixTree.set_residency`` without the eviction queues (rebuilt after recovery)."""
-    node.slots[tier] = slots
-    tree.num_blocks_in[tier] += node.num_blocks
-    node.parent.kids_in[tier] += 1
-
-
-def drop_residency(tree, node: Node, tier: int) -> bool:
-    """``RadixTree.drop_residency`` without the eviction queues; returns ``forgotten``."""
-    node.slots[tier] = None
-    tree.num_blocks_in[tier] -= node.num_blocks
-    parent = node.parent
-    parent.kids_in[tier] -= 1
-    slots = node.slots
-    if slots[0] is None and slots[1] is None and slots[2] is None:
-        assert not node.children, "a node resident nowhere still has children"
-        del parent.children[node.key]
-        return True
-    return False
 
 
 def reconcile(tree, *, keep_host: bool, seqs: dict, forget: Callable[[Node], None] | None = None,
@@ -49,7 +29,7 @@ def reconcile(tree, *, keep_host: bool, seqs: dict, forget: Callable[[Node], Non
     for node in reversed(order):
         slots = node.slots
         for tier in tiers:
-            if slots[tier] is not None and drop_residency(tree, node, tier):
+            if slots[tier] is not None and tree.unplace(node, tier)[1]:
                 forgotten += 1
                 if forget is not None:
                     forget(node)

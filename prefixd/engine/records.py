@@ -1,7 +1,10 @@
-"""What the cache's events become in the write-ahead log (``replay`` reads them back).
+"""What the cache's events become in the write-ahead log, and how a record is read back.
 
-The WAL stores ``kind | fixed fields | blob``; this module defines the blob of each kind the
-cache writes. Hashes are 16 bytes, slots u32 little-endian, checksums u64 little-endian.
+The WAL stores ``kind | fixed fields | blob | crc32c`` (``prefixd.wal.codec``); this module
+defines the blob of each kind the cache writes, and is the one place that knows it: the
+encoder (``event_records``) and the decoders (``decode_*``, and the ``RUN`` offsets that
+replay's hot loop binds) sit side by side. Hashes are 16 bytes, slots u32 little-endian,
+checksums u64 little-endian.
 
 =============  ================================================================
 kind           blob
@@ -25,13 +28,18 @@ written with another one is refused (``prefixd.engine.errors.StateFormatError``)
 
 from __future__ import annotations
 
+import struct
+from typing import NamedTuple
+
 import numpy as np
 
 from prefixd.cache import events as ev
 from prefixd.cache.node import DEVICE
-from prefixd.wal.kinds import Kind
+from prefixd.wal.codec import CRC_SIZE
+from prefixd.wal.kinds import CODECS, Kind
 
 H = 16
+ZERO_HASH = b"\x00" * H  # OPEN's "no shared block" (the deepest hash is then the root's)
 RECORDS_VERSION = 3  # 1: moves and drops named every block; 2: device moves carried slots
 
 
@@ -48,7 +56,7 @@ def event_records(event, session_id: int = 0) -> tuple:
     t = type(event)
     if t is ev.SeqOpened:
         return Kind.OPEN, (event.seq_id, session_id, event.num_tokens, event.num_cached_blocks), \
-            event.deepest_hash + event.extra if event.deepest_hash else (b"\x00" * H) + event.extra
+            (event.deepest_hash or ZERO_HASH) + event.extra
     if t is ev.SeqExtended:
         return Kind.EXTEND, (event.seq_id, event.num_tokens), b""
     if t is ev.BlockCopied:
@@ -75,3 +83,117 @@ def event_records(event, session_id: int = 0) -> tuple:
         hashes = event.hashes
         return Kind.BLOCK_DROP, (event.tier, len(hashes)), hashes[0] + hashes[-1]
     raise TypeError(f"no record for event {event!r}")
+
+
+# -- decoding ------------------------------------------------------------------------------------
+#
+# A raw value is ``kind u8 | fixed fields | blob | crc32c u32``; the blob starts at the kind's
+# ``fixed_size``. The asserts tie the offsets below to the kinds table: a changed row fails at
+# import, not as a misread log.
+
+_CRC = CRC_SIZE
+_RUN_BLOB = CODECS[Kind.BLOCK_MOVE].fixed_size
+assert CODECS[Kind.BLOCK_MOVE].struct.format == CODECS[Kind.BLOCK_DROP].struct.format == "<BBI"
+assert CODECS[Kind.BLOCK_PUT].struct.format == "<BBI"
+assert CODECS[Kind.OPEN].struct.format == "<BQQII"
+assert CODECS[Kind.COMMIT].struct.format == "<BQI"
+assert CODECS[Kind.RELEASE].struct.format == "<BQ"
+assert CODECS[Kind.FORK].struct.format == "<BQQI"
+assert CODECS[Kind.RECOVER].struct.format == "<BIB"
+
+_U32 = struct.Struct("<I").unpack_from
+_SEQ_ID = struct.Struct("<Q").unpack_from  # the first field of OPEN, COMMIT, RELEASE, FORK
+_OPEN_IDS = struct.Struct("<QQ").unpack_from
+_FORK_FIELDS = struct.Struct("<QQI").unpack_from
+_RECOVER_FIELDS = struct.Struct("<IB").unpack_from
+_OPEN_BLOB = CODECS[Kind.OPEN].fixed_size
+_COMMIT_BLOB = CODECS[Kind.COMMIT].fixed_size
+_PUT_BLOB = CODECS[Kind.BLOCK_PUT].fixed_size
+
+_unpackers: dict[tuple[str, int], object] = {}
+
+
+def unpacker(code: str, n: int):
+    """``unpack_from`` of ``n`` little-endian items of ``code`` (``I`` slots, ``Q`` checksums,
+    ``16s`` hashes), cached per count."""
+    s = _unpackers.get((code, n))
+    if s is None:
+        s = _unpackers[(code, n)] = struct.Struct("<" + code * n if code == "16s" else f"<{n}{code}").unpack_from
+    return s
+
+
+class RunOffsets(NamedTuple):
+    """Where a BLOCK_MOVE / BLOCK_DROP value keeps each part (byte offsets into the value).
+
+    ``tier`` u8 and ``num_blocks`` u32 (fixed fields), then the blob: ``first`` and ``last``
+    hash (16 bytes each; ``name`` = ``first`` .. ``body`` is first || last), and from ``body``
+    a move's slots (u32 each, none into the device tier) and its checksums (u64 each, only
+    when present: the value is longer than ``body`` + slots + crc).
+
+    NOTE: replay decodes moves and drops inline from these (they are most of a log and a
+    function call per record showed in a 1M-block recovery); ``decode_run`` and
+    ``decode_move`` read the same offsets for everyone else.
+    """
+
+    tier: int
+    num_blocks: int
+    first: int
+    last: int
+    body: int
+
+
+RUN = RunOffsets(1, 2, _RUN_BLOB, _RUN_BLOB + H, _RUN_BLOB + 2 * H)
+
+
+def decode_run(value) -> tuple[int, int, bytes, bytes]:
+    """A move's or drop's ``(tier, num_blocks, first hash, last hash)``."""
+    return value[RUN.tier], _U32(value, RUN.num_blocks)[0], value[RUN.first:RUN.last], value[RUN.last:RUN.body]
+
+
+def decode_move(value) -> tuple[list[int] | None, list[int]]:
+    """A BLOCK_MOVE's ``(slots, checksums)``: ``slots`` is ``None`` into the device (not
+    logged), ``checksums`` empty when the move did not establish them."""
+    tier, n = value[RUN.tier], _U32(value, RUN.num_blocks)[0]
+    at = RUN.body
+    slots = None
+    if tier != DEVICE:
+        slots = list(unpacker("I", n)(value, at))
+        at += 4 * n
+    sums = list(unpacker("Q", n)(value, at)) if len(value) > at + _CRC else []
+    return slots, sums
+
+
+def decode_put(value) -> tuple[bytes, list[bytes], bytes]:
+    """A BLOCK_PUT's ``(parent hash, hashes, tokens)`` (its device slots are never needed)."""
+    n = _U32(value, 2)[0]
+    at = _PUT_BLOB + H
+    end = len(value) - _CRC - 4 * n
+    return value[_PUT_BLOB:at], list(unpacker("16s", n)(value, at)) if n else [], value[at + n * H:end]
+
+
+def decode_open(value) -> tuple[int, int, bytes, bytes]:
+    """An OPEN's ``(seq_id, session_id, deepest shared hash or b"", extra)``."""
+    seq_id, session_id = _OPEN_IDS(value, 1)
+    deepest = value[_OPEN_BLOB:_OPEN_BLOB + H]
+    return seq_id, session_id, b"" if deepest == ZERO_HASH else deepest, value[_OPEN_BLOB + H:-_CRC]
+
+
+def decode_commit(value) -> tuple[int, bytes]:
+    """A COMMIT's ``(seq_id, hash of the sequence's last indexed block)``."""
+    return _SEQ_ID(value, 1)[0], value[_COMMIT_BLOB:-_CRC]
+
+
+def decode_seq_id(value) -> int:
+    """The sequence id of an OPEN, COMMIT, RELEASE or FORK (its first field)."""
+    return _SEQ_ID(value, 1)[0]
+
+
+def decode_fork(value) -> tuple[int, int, int]:
+    """A FORK's ``(parent seq_id, first child id, number of children)``."""
+    return _FORK_FIELDS(value, 1)
+
+
+def decode_recover(value) -> tuple[int, bool]:
+    """A RECOVER's ``(epoch, host_kept)``."""
+    epoch, kept = _RECOVER_FIELDS(value, 1)
+    return epoch, bool(kept)

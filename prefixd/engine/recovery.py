@@ -20,7 +20,7 @@ import numpy as np
 from prefixd.engine import snapshot as ckpt
 from prefixd.cache.errors import CacheError
 from prefixd.engine.errors import IndexLostError, TierLostError
-from prefixd.engine.reconcile import drop_residency, surviving
+from prefixd.engine.reconcile import surviving
 from prefixd.cache.hashing import root_hash
 from prefixd.cache.node import DISK, HOST, path_to
 from prefixd.cache.prefix_cache import PrefixCache
@@ -140,7 +140,7 @@ def _recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify
             cache.allocators[tier].take(used)
         elif used.size:
             raise CacheError(f"the saved index holds blocks in tier {tier}, which is now absent")
-    cache._next_id = max(max_seq, ckpt_meta.get("next_seq_id", 1) - 1) + 1
+    cache.restore_next_seq_id(max(max_seq, ckpt_meta.get("next_seq_id", 1) - 1) + 1)
     self.recovered: dict[int, RecoveredSeq] = {}
     for seq_id, (session_id, node, extra) in seqs.items():
         tree.lock(node)
@@ -156,11 +156,13 @@ def _recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify
         phases["verified_blocks"] = verify_disk(self)
     t4 = time.perf_counter()
     phases["reconcile_s"] = t4 - t3
-    # the replayed tail stays in the log until the next checkpoint: it counts toward the trigger
-    self._since_checkpoint, self._tail_blocks = replayer.records, replayer.blocks
+    self._since_checkpoint = self._tail_blocks = 0
     if first_start:
         self.checkpoint()
     else:
+        # NOTE: the one record appended beside the event path (``DurableCache._log``): it is
+        # about the engine's restart, not a change of the cache, and it must come first in the
+        # new epoch, before any event of it, while nothing else is queued.
         wal.append(Kind.RECOVER, wal.open_epoch(), int(keep_host))
         self._log()
         wal.flush().result()
@@ -170,6 +172,11 @@ def _recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify
             # would find this file, expect the old id and refuse to start. The same for a disk
             # pool recreated in place of a lost one.
             self.checkpoint()
+        else:
+            # NOTE: the replayed tail stays in the log until the next checkpoint, so it counts
+            # toward the trigger; set only now, so that a checkpoint it makes due is taken by
+            # the first operation after ready rather than before it.
+            self._since_checkpoint, self._tail_blocks = replayer.records, replayer.blocks
     self._reclaim_deadline = time.monotonic() + reclaim_grace_s
     phases["ready_s"] = time.perf_counter() - t0
     phases["keep_host"] = keep_host
@@ -267,7 +274,7 @@ def _forget_lost_tier(self, tree, seqs: dict, tier: int, path: str) -> int:
         raise TierLostError(self.state_dir, path, num_blocks)
     for node in reversed(list(tree.nodes())):  # children before their parents
         if node.slots[tier] is not None:
-            drop_residency(tree, node, tier)
+            tree.unplace(node, tier)
     for seq in seqs.values():
         seq[1] = surviving(seq[1])
     log.warning("pool file missing: its blocks are forgotten (forget_missing_tier) path=%s blocks=%d",

@@ -5,6 +5,10 @@ record names a block inside it (every live split was caused by a logged operatio
 reproduces it). Sequences are tracked as ``[session_id, deepest node, extra]``: their private
 blocks never survive, so EXTEND and COW records carry nothing replay needs.
 
+Record layouts are ``prefixd.engine.records``'s (the encoder's module: its ``decode_*`` and the
+``RUN`` offsets); residency changes go through ``RadixTree.place`` / ``unplace``, the same
+bookkeeping live operations use.
+
 At a RECOVER record (and at the end of the log) it reconciles as that restart did
 (``prefixd.engine.reconcile``).
 
@@ -28,40 +32,22 @@ from itertools import chain, repeat
 import numpy as np
 
 from prefixd.cache.node import DEVICE, Node, split
-from prefixd.engine.reconcile import reconcile, set_residency, shallow_first
+from prefixd.engine import records
+from prefixd.engine.reconcile import reconcile, shallow_first
+from prefixd.engine.records import RUN, ZERO_HASH, unpacker  # noqa: F401 (ZERO_HASH: for recovery)
 from prefixd.wal.codec import CRC_SIZE, encode
-from prefixd.wal.kinds import CODECS, Kind
+from prefixd.wal.kinds import Kind
 
 log = logging.getLogger(__name__)
-
-ZERO_HASH = b"\x00" * 16
-H = 16
 
 _PUT, _MOVE, _DROP = int(Kind.BLOCK_PUT), int(Kind.BLOCK_MOVE), int(Kind.BLOCK_DROP)
 _OPEN, _COMMIT, _FORK = int(Kind.OPEN), int(Kind.COMMIT), int(Kind.FORK)
 _RELEASE, _RECOVER = int(Kind.RELEASE), int(Kind.RECOVER)
 
-# Offsets into a raw record value (``prefixd.wal.codec``): kind u8, fixed fields, blob, crc32c.
+# A move's or drop's parts, as offsets into the raw value (``prefixd.engine.records.RUN``).
 _CRC = CRC_SIZE
-_B = CODECS[_PUT].fixed_size  # blob of BLOCK_PUT / MOVE / DROP (after kind, tier u8, num_blocks u32)
-assert CODECS[_MOVE].fixed_size == CODECS[_DROP].fixed_size == _B == 6
-_OPEN_B = CODECS[_OPEN].fixed_size
-_COMMIT_B = CODECS[_COMMIT].fixed_size
+_TIER, _COUNT, _FIRST, _LAST, _BODY = RUN
 _U32 = struct.Struct("<I").unpack_from
-_U64 = struct.Struct("<Q").unpack_from
-_OPEN_IDS = struct.Struct("<QQ").unpack_from
-_FORK_FIELDS = struct.Struct("<QQI").unpack_from
-assert CODECS[_RECOVER].struct.format == "<BIB"  # host_kept is byte 5
-
-_structs: dict[tuple[str, int], struct.Struct] = {}
-
-
-def _unpacker(code: str, n: int):
-    """``unpack_from`` of ``n`` little-endian items of ``code`` (cached per count)."""
-    s = _structs.get((code, n))
-    if s is None:
-        s = _structs[(code, n)] = struct.Struct("<" + code * n if code == "16s" else f"<{n}{code}")
-    return s.unpack_from
 
 
 class ReplayError(Exception):
@@ -216,109 +202,101 @@ class Replayer:
         if self.where is None:
             self._build_map()
         get_run = self.runs.get
-        num_in = tree.num_blocks_in
+        place, unplace = tree.place, tree.unplace
         seqs = self.seqs
         u32 = _U32
+        decode_seq_id = records.decode_seq_id
         count = blocks = 0
         lsn = 0
         try:
             for lsn, values in batches:
                 for value in values:
                     kind = value[0]
-                    if kind == _DROP or kind == _MOVE:
-                        tier = value[1]
-                        node = get_run(value[_B:_B + 2 * H])  # usually the run is exactly one node
+                    if kind == _DROP or kind == _MOVE:  # inline: see NOTE (offsets: records.RUN)
+                        tier = value[_TIER]
+                        node = get_run(value[_FIRST:_BODY])  # usually the run is exactly one node
                         if node is None:
-                            node = self.run(value[_B:_B + H], value[_B + H:_B + 2 * H], u32(value, 2)[0], lsn)
+                            node = self.run(value[_FIRST:_LAST], value[_LAST:_BODY], u32(value, _COUNT)[0], lsn)
                         n = node.num_blocks
-                        slots = node.slots
                         if kind == _DROP:
-                            if slots[tier] is None:
+                            if node.slots[tier] is None:
                                 raise ReplayError(f"BLOCK_DROP lsn {lsn}: run not resident in tier {tier}")
-                            slots[tier] = None
-                            num_in[tier] -= n
-                            parent = node.parent
-                            parent.kids_in[tier] -= 1
-                            if slots[0] is None and slots[1] is None and slots[2] is None:
-                                if node.children:
-                                    raise ReplayError(f"BLOCK_DROP lsn {lsn}: a run resident nowhere keeps children")
-                                del parent.children[node.key]
+                            if unplace(node, tier)[1]:
                                 self.forget(node)
                                 blocks += n
                         else:
-                            if slots[tier] is not None:
+                            if node.slots[tier] is not None:
                                 raise ReplayError(f"BLOCK_MOVE lsn {lsn}: run already resident in tier {tier}")
-                            at = _B + 2 * H
+                            at = _BODY
                             if tier == DEVICE:  # the record carries no device slots
-                                slots[tier] = [-1] * n
+                                place(node, tier, [-1] * n)
                                 self.device_runs.append(node)
                             else:
-                                slots[tier] = list(_unpacker("I", n)(value, at))
+                                place(node, tier, list(unpacker("I", n)(value, at)))
                                 at += 4 * n
                                 blocks += n
-                            num_in[tier] += n
-                            node.parent.kids_in[tier] += 1
                             if len(value) > at + _CRC:  # new or changed checksums
-                                node.checksums = list(_unpacker("Q", n)(value, at))
+                                node.checksums = list(unpacker("Q", n)(value, at))
                     elif kind == _PUT:
-                        n = u32(value, 2)[0]
-                        blocks += n
-                        self._put(lsn, n, value[_B:-_CRC])
+                        blocks += self._put(lsn, value)
                     elif kind == _OPEN:
-                        seq_id, session_id = _OPEN_IDS(value, 1)
-                        self._open(seq_id, session_id, value[_OPEN_B:-_CRC])
+                        self._open(*records.decode_open(value))
                     elif kind == _RELEASE:
-                        seqs.pop(_U64(value, 1)[0], None)
+                        seqs.pop(decode_seq_id(value), None)
                     elif kind == _COMMIT:
-                        seq = seqs.get(_U64(value, 1)[0])
+                        seq_id, last_hash = records.decode_commit(value)
+                        seq = seqs.get(seq_id)
                         if seq is not None:
                             tree.clock += 1
-                            seq[1] = self.ending_at(value[_COMMIT_B:-_CRC])
+                            seq[1] = self.ending_at(last_hash)
                             seq[1].last_access = tree.clock
                     elif kind == _FORK:
-                        parent_id, first_child, num_children = _FORK_FIELDS(value, 1)
+                        parent_id, first_child, num_children = records.decode_fork(value)
                         self.max_seq_id = max(self.max_seq_id, first_child + num_children - 1)
                         parent = seqs.get(parent_id)
                         if parent is not None:
                             for child in range(first_child, first_child + num_children):
                                 seqs[child] = list(parent)
                     elif kind == _RECOVER:
-                        self.restart(keep_host=bool(value[5]))
+                        self.restart(keep_host=records.decode_recover(value)[1])
                     # ATTACH, DETACH, EXTEND, COW, TOUCH: nothing that outlives a restart
                     lsn += 1
                     count += 1
         except (struct.error, IndexError, ValueError) as exc:
-            # a record whose checksum holds but whose blob does not fit its kind: written by
-            # another layout (see RECORDS_VERSION) or a bug: recovery stops rather than guess
-            raise ReplayError(f"lsn {lsn}: record does not fit its kind's layout: {exc}") from None
+            # a record whose checksum holds but whose blob does not fit its kind (written by
+            # another layout, see RECORDS_VERSION) or the tree (a drop that would leave
+            # children behind), or a bug: recovery stops rather than guess
+            raise ReplayError(f"lsn {lsn}: record does not fit its kind's layout or the index: {exc}") from None
         finally:
             self.records += count
             self.blocks += blocks
 
-    def _put(self, lsn: int, n: int, blob: bytes) -> None:
+    def _put(self, lsn: int, value) -> int:
+        """A BLOCK_PUT: a new run, device-resident (slots not decoded); returns its blocks."""
         tree, bb = self.tree, self.block_bytes
-        parent = self.ending_at(blob[:H])
-        hashes = list(_unpacker("16s", n)(blob, H)) if n else []
-        t0 = H + n * H
-        tokens = blob[t0:t0 + n * bb]
+        parent_hash, hashes, tokens = records.decode_put(value)
+        n = len(hashes)
+        if len(tokens) != n * bb:
+            raise ReplayError(f"BLOCK_PUT lsn {lsn}: {len(tokens)} token bytes for {n} blocks of {bb}")
+        parent = self.ending_at(parent_hash)
         key = tokens[:bb]
         if key in parent.children:
             raise ReplayError(f"BLOCK_PUT lsn {lsn}: the run is already indexed")
         node = Node(parent, key, tokens, n, hashes, [None, None, None], tree.clock)
         parent.children[key] = node
-        set_residency(tree, node, DEVICE, [-1] * n)  # device slots never survive: not decoded
+        tree.place(node, DEVICE, [-1] * n)  # device slots never survive: not decoded
         self.device_runs.append(node)
         self.where.update(dict.fromkeys(hashes, node))
         if hashes:
             self.runs[hashes[0] + hashes[-1]] = node
+        return n
 
-    def _open(self, seq_id: int, session_id: int, blob: bytes) -> None:
+    def _open(self, seq_id: int, session_id: int, deepest: bytes, extra: bytes) -> None:
         tree = self.tree
-        deepest, extra = blob[:H], blob[H:]
         if extra not in tree.roots:
             root = tree.root(extra)
             self.where[root.hashes[-1]] = root
-        node = tree.roots[extra] if deepest == ZERO_HASH else self.ending_at(deepest)
+        node = self.ending_at(deepest) if deepest else tree.roots[extra]
         clock = tree.clock = tree.clock + 1
         n = node
         while n.parent is not None:

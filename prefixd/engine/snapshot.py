@@ -30,7 +30,7 @@ import msgpack
 import numpy as np
 
 from prefixd.engine.errors import StateFormatError
-from prefixd.cache.node import Node, new_root
+from prefixd.cache.node import DEVICE, DISK, HOST, Node, new_root
 from prefixd.engine.records import RECORDS_VERSION
 
 
@@ -146,7 +146,8 @@ def load(tree, index: dict, block_bytes: int) -> tuple[dict, list[Node], np.ndar
     returns ``(meta, nodes in file order, every block hash in file order)``, the hashes as a
     ``V16`` array: replay searches it for a block named inside a checkpoint run.
 
-    Residency is set directly (the caller rebuilds queues and allocators after replay).
+    Residency is set with ``RadixTree.place`` (the caller rebuilds queues and allocators
+    after replay).
 
     NOTE: per-block columns stay numpy arrays and each node's lists are made from its own
     slice: slicing million-item Python lists touched every item's refcount a second time,
@@ -174,7 +175,7 @@ def load(tree, index: dict, block_bytes: int) -> tuple[dict, list[Node], np.ndar
     # V16 (not S16: that would strip trailing zero bytes) turns into bytes objects in C
     hashes = _array(index[b"blocks.hashes"], "V16")
     nodes: list[Node] = []
-    counts = tree.num_blocks_in
+    place = tree.place  # residency bookkeeping, queues rebuilt after recovery
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -183,27 +184,18 @@ def load(tree, index: dict, block_bytes: int) -> tuple[dict, list[Node], np.ndar
             parent = nodes[parent_ref] if parent_ref >= 0 else roots[-1 - parent_ref]
             n = b - a
             toks = tokens.get(a * block_bytes, b * block_bytes)
-            slots = [None, None, None]
-            f = flags[i]
-            if f & 7:
-                kids = parent.kids_in
-                if f & 1:
-                    slots[0] = [-1] * n  # only the fact survives: see the module docstring
-                    kids[0] += 1
-                    counts[0] += n
-                if f & 2:
-                    slots[1] = host[at_host:at_host + n].tolist()
-                    at_host += n
-                    kids[1] += 1
-                    counts[1] += n
-                if f & 4:
-                    slots[2] = disk[at_disk:at_disk + n].tolist()
-                    at_disk += n
-                    kids[2] += 1
-                    counts[2] += n
-            node = Node(parent, toks[:block_bytes], toks, n, hashes[a:b].tolist(), slots, last[i])
+            node = Node(parent, toks[:block_bytes], toks, n, hashes[a:b].tolist(), [None, None, None], last[i])
             node.hit_count = hits[i]
             node.priority = prio[i]
+            f = flags[i]
+            if f & 1:
+                place(node, DEVICE, [-1] * n)  # only the fact survives: see the module docstring
+            if f & 2:
+                place(node, HOST, host[at_host:at_host + n].tolist())
+                at_host += n
+            if f & 4:
+                place(node, DISK, disk[at_disk:at_disk + n].tolist())
+                at_disk += n
             if f & 8:
                 node.checksums = sums[at_sums:at_sums + n].tolist()
                 at_sums += n

@@ -94,3 +94,15 @@ def tiny_layout(block_size: int = 2):
     from prefixd.api.layout import KVLayout
 
     return KVLayout("tiny", num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32", block_size=block_size)
+
+
+def tree_state(cache) -> tuple:
+    """Everything a refused request must leave as it was: every run (named by its last block's
+    hash and length, so node boundaries too; per-tier slots, locks, clock, hits), each tier's block count and free slots, the
+    pending events and the sequences."""
+    tree = cache.tree
+    runs = sorted((n.hashes[-1], n.num_blocks, [None if s is None else list(s) for s in n.slots],
+                   n.lock_ref, n.last_access, n.hit_count, list(n.kids_in)) for n in tree.nodes())
+    free = [None if a is None else a.num_free for a in cache.allocators]
+    seqs = sorted((s.id, bytes(s.tokens), list(s.block_table)) for s in cache.sequences())
+    return runs, list(tree.num_blocks_in), free, list(cache.events), seqs, tree.clock

@@ -21,7 +21,7 @@ from prefixd.cache.hashing import chain_hashes, namespace_hash
 from prefixd.cache.node import DISK, HOST
 from prefixd.api.tiers import Tier
 from prefixd.storage.tier_store import TierStore
-from tests.cache.helpers import StoreTokens, TokenPool, tiny_layout, toks
+from tests.cache.helpers import StoreTokens, TokenPool, tiny_layout, toks, tree_state
 
 BS = 2
 NUM_BLOCKS = 24
@@ -69,10 +69,11 @@ class CacheMachine(RuleBasedStateMachine):
     def open(self, tokens):
         expected = self._expected_cached(tokens)
         on_device = self.cache.lookup(tokens).device_tokens
+        before = tree_state(self.cache)
         try:
             seq = self.cache.open(tokens)
         except OutOfBlocks:
-            self._absorb_events()
+            assert tree_state(self.cache) == before, "a refused open changed the cache"
             return
         if on_device >= expected:
             assert seq.cached_tokens == expected, (seq.cached_tokens, expected)
@@ -87,10 +88,11 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data(), more=token_lists)
     def extend(self, data, more):
         seq_id = data.draw(st.sampled_from(sorted(self.live)))
+        before = tree_state(self.cache)
         try:
             self.cache.extend(seq_id, more)
         except OutOfBlocks:
-            self._absorb_events()
+            assert tree_state(self.cache) == before, "a refused extend changed the cache"
             return
         old = self.live[seq_id]
         self.live[seq_id] = old + more
