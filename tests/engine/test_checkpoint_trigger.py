@@ -76,3 +76,26 @@ def test_records_remain_a_bound_for_block_less_traffic(make):
     dc.close()
     dc = make(checkpoint_records=50)
     assert 0 < dc.recovery["records_replayed"] < 50
+
+
+def _checkpoint_lsn(dc) -> int:
+    return dc.wal.with_checkpoint(lambda lsn, index, seqs: lsn)
+
+
+def test_a_replayed_tail_over_the_bound_is_folded_after_ready_not_before(make):
+    """Regression: a restart whose replayed tail was over the bound wrote a checkpoint of the
+    whole cache inside recovery, so ready waited for it; the first operation takes it."""
+    rng = np.random.default_rng(3)
+    dc = make(checkpoint_blocks=1 << 60)
+    for _ in range(4):
+        _serve(dc, _long_prompt(rng))
+    before = _checkpoint_lsn(dc)
+    dc.close()
+    dc = make(checkpoint_blocks=BOUND)
+    assert dc.recovery["blocks_replayed"] > BOUND
+    assert _checkpoint_lsn(dc) == before
+    _serve(dc, _long_prompt(rng))
+    assert _checkpoint_lsn(dc) > before
+    dc.close()
+    dc = make(checkpoint_blocks=BOUND)
+    assert dc.recovery["blocks_replayed"] < BOUND
