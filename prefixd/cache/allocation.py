@@ -36,9 +36,14 @@ class Allocation:
     eviction never fails once a victim is popped (a demotion that finds no room below drops
     the copy anyway), so a request that ``can_allocate`` approves gets its slots.
 
-    NOTE: the check walks the locked paths (one step per pinned node), and only when a
-    request needs more than the free slots: cheaper than keeping a pinned count exact
-    through every lock, split and residency change on the hot path.
+    An ``open`` of ``total`` blocks whose match has ``D`` blocks on the device needs
+    ``total - D`` slots and pins at most those ``D`` blocks more, so ``available() >= total``
+    proves it fits whatever it matches; only below that does ``open`` peek at its match
+    (without splitting or touching it) for the exact check.
+
+    NOTE: the check walks the locked paths (one step per pinned node; none when nothing is
+    locked), and only when a request needs more than the free slots: cheaper than keeping a
+    pinned count exact through every lock, split and residency change on the hot path.
 
     Args:
         cache: the owner: its tree, allocators, tiering, stats, events, and

@@ -193,7 +193,9 @@ class PrefixCache:
         root = tree.roots.get(extra)
         max_blocks = (num_tokens - (not full_match)) // bs
         total = -(-num_tokens // bs)
-        if total > self.device.num_free:  # it may evict: check that it can succeed first
+        if total > self.device.num_free and total > self.allocation.available():
+            # it may not fit even with its match cached: check against the match before any
+            # change (see ``Allocation``: with room for ``total`` any match fits)
             pairs = tree.peek(root, tokens, max_blocks) if root is not None else []
             self.allocation.ensure_room(total - device_prefix(pairs), pairs)
         if root is None:
