@@ -74,7 +74,7 @@ def _traffic(dc: DurableCache, rng: random.Random, steps: int, checkpoints: bool
             except OutOfBlocks:  # the live sequences hold the device: a legitimate refusal
                 continue
             try:
-                dc.commit(seq.id, rng.choice(("index", "crash")))
+                dc.commit(seq.id, rng.choice(("index", "crash"))).result()
             except DurabilityError:  # the host tier is full of quarantined slots: still indexed
                 pass
             if rng.random() < 0.15 and len(live) < 2:
@@ -187,7 +187,7 @@ def _resident_after_restart(tree, last_hash) -> bool:
 def test_a_state_dir_of_another_record_format_is_refused_untouched(tmp_path):
     dc = _open(tmp_path)
     seq = dc.open([1, 2, 3, 4, 5])
-    dc.commit(seq.id, "crash")
+    dc.commit(seq.id, "crash").result()
     dc.release(seq.id)
     # rewrite the checkpoint's meta as format 1 wrote it (no records_version)
     lsn, index, seqs = dc.wal.load_checkpoint()
@@ -215,7 +215,7 @@ def test_a_record_naming_a_run_that_is_not_one_node_is_an_error(tmp_path):
     dc = _open(tmp_path)
     for first in (1, 2):
         seq = dc.open([first, 2, 3, 4, 5, 6, 7])
-        dc.commit(seq.id, "crash")
+        dc.commit(seq.id, "crash").result()
         dc.release(seq.id)
     nodes = [n for n in dc.cache.tree.nodes()]
     a, b = nodes[0], nodes[1]
@@ -250,9 +250,7 @@ def test_a_restart_forgets_device_only_runs_deepest_first():
     shared = next(n for n in nodes if n.children)
     kept = next(n for n in nodes if n.tokens[:4] == toks(50)[:4])
     assert len(shared.children) == 2 and tree.num_blocks_in == [4, 0, 0]
-    kept.slots[DISK] = list(range(kept.num_blocks))  # as if written down (slots by hand)
-    tree.num_blocks_in[DISK] += kept.num_blocks
-    kept.parent.kids_in[DISK] += 1
+    tree.place(kept, DISK, list(range(kept.num_blocks)))  # as if written down (slots by hand)
     replayer = Replayer(tree, {}, cache.block_bytes)
     # as from a checkpoint: parents listed first, the order a restart must not drop in
     replayer.use_checkpoint(nodes, np.frombuffer(b"".join(h for n in nodes for h in n.hashes), "V16"))
