@@ -31,7 +31,10 @@ class RadixTree:
     sequence locks it. The queue of tier T holds exactly those nodes. (A sequence locks only its
     deepest node; the path above it has a device-resident child, so it is safe on the device.)
 
-    Invariants: see ``Node``; also ``num_blocks_in[T]`` is the number of blocks resident in T.
+    Invariants: see ``Node``; also ``num_blocks_in[T]`` is the number of blocks resident in T,
+    and ``locked`` holds exactly the non-root nodes with ``lock_ref > 0`` (what
+    ``pinned_device_blocks`` walks up from; a run forgotten while locked, resident nowhere,
+    stays in it until unlocked).
     """
 
     def __init__(self, block_size: int, root_hash: bytes, policy, tiers=(DEVICE,)) -> None:
