@@ -20,6 +20,14 @@ NOTE: CPU copies are a Python loop over runs of ``ctypes.memmove`` (which drops 
 ``index_copy_`` 1-3 GB/s (both erratic under load), scattered-to-scattered gather + scatter
 0.5-1 GB/s. The loop costs ~1 us per run, noise next to a block of more than a few KiB.
 
+NOTE: a batch of at most ``INLINE_BYTES`` runs on the calling thread, as one numpy gather and
+one scatter (a read from disk: one staged read per piece): handing it to a helper thread and
+waiting for its Future cost more than the copy (a profile of 512-byte blocks showed most of a
+request waiting on such Futures), and a ``memmove`` per scattered 512-byte block cost ~2 us
+each (150 blocks: 330 us against 30-50 us for gather + scatter, measured here). 256 KiB is
+where a helper's parallel copy starts to pay on this 2-core host (two threads copy ~2x faster,
+and the round trip costs tens of us); a daemon on a bigger host could raise it.
+
 NOTE: copy-then-hash per L2 piece, not hash-after-batch: hashing a 128 MiB batch from DRAM
 after copying it cost ~40% of the copy bandwidth, per piece ~15-25%.
 """
@@ -31,6 +39,7 @@ import threading
 from concurrent.futures import Executor, Future
 from typing import NamedTuple, Sequence
 
+import numpy as np
 import torch
 import xxhash
 
@@ -131,6 +140,11 @@ def _memmove_hash_pieces(dst_base: int, dst_slots, src_base: int, src_slots, nby
     return sums
 
 
+def _rows_of(t: torch.Tensor):
+    """A block-major CPU tensor as a uint8 numpy array, one block a row (a view)."""
+    return t.view(torch.uint8).reshape(t.shape[0], -1).numpy()
+
+
 def copy_rows(src: torch.Tensor, src_slots: Sequence[int], dst: torch.Tensor, dst_slots: Sequence[int]) -> None:
     """``dst[dst_slots] = src[src_slots]`` for block-major tensors, on the calling thread.
 
@@ -139,7 +153,10 @@ def copy_rows(src: torch.Tensor, src_slots: Sequence[int], dst: torch.Tensor, ds
     ``index_copy_``.
     """
     if not (src.is_cuda or dst.is_cuda):
-        _memmove_runs(dst, dst_slots, src, src_slots, 0, len(dst_slots))
+        if len(dst_slots) * dst.stride(0) * dst.element_size() <= INLINE_BYTES:
+            _rows_of(dst)[dst_slots] = np.take(_rows_of(src), src_slots, axis=0)  # gather, scatter
+        else:
+            _memmove_runs(dst, dst_slots, src, src_slots, 0, len(dst_slots))
         return
     n = len(dst_slots)  # pragma: no cover - needs a GPU
     s_run, d_run = runs(src_slots), runs(dst_slots)
@@ -163,9 +180,12 @@ def copy_tensors(src: TensorPool, src_slots: Sequence[int], dst: TensorPool, dst
         return CopyResult(sums, None)
     hash_rows = dst.rows if want_checksums else None
     n = len(dst_slots)
-    if n * dst.layout.block_bytes <= INLINE_BYTES:  # a few blocks: a helper round trip costs more
-        sums = _memmove_runs(dst.raw, dst_slots, src.raw, src_slots, 0, n, hash_rows)
-        return CopyResult(sums if want_checksums else None, None)
+    if n * dst.layout.block_bytes <= INLINE_BYTES and src.rows is not None and dst.rows is not None:
+        # A few blocks: on the calling thread, one gather and one scatter (a helper round trip,
+        # or a memmove per scattered block, cost more), hashed from the gathered rows.
+        rows = np.take(src.rows, src_slots, axis=0)
+        dst.rows[dst_slots] = rows
+        return CopyResult([_xxh3(row) for row in rows] if want_checksums else None, None)
     step = max(chunk_blocks(dst.layout.block_bytes), -(-n // HELPER_THREADS))
     pending = [helper.submit(_memmove_runs, dst.raw, dst_slots, src.raw, src_slots, lo, min(lo + step, n), hash_rows)
                for lo in range(0, n, step)]
@@ -264,7 +284,7 @@ def read_from_disk(disk: DiskPool, src_slots: Sequence[int], dst, dst_slots: Seq
     if verify is not None and len(verify) != len(src_slots):
         raise ValueError(f"got {len(verify)} expected checksums for {len(src_slots)} blocks")
     n = len(src_slots)
-    if PREFETCH:  # in disk order, merged: the block layer sees mostly sequential requests
+    if PREFETCH and n * disk.block_bytes > INLINE_BYTES:  # in disk order, merged: the block layer sees mostly sequential requests
         for _, first, length in runs(sorted(src_slots)):
             disk.prefetch(first, length)
     pieces: list[list[int]] = []
@@ -276,7 +296,7 @@ def read_from_disk(disk: DiskPool, src_slots: Sequence[int], dst, dst_slots: Seq
             pieces.append([pos])
     sums: list = [0] * n
     oks: list = [False] * n
-    if n * disk.block_bytes <= INLINE_BYTES or len(pieces) == 1:
+    if n * disk.block_bytes <= INLINE_BYTES or len(pieces) == 1:  # on the calling thread
         with staging.lock:
             _read_pieces(disk, src_slots, dst, dst_slots, verify, pieces, staging.buffers[0],
                          staging.rows[0], sums, oks)

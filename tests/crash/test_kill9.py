@@ -96,10 +96,10 @@ def test_the_kill_9_harness_catches_an_acknowledgement_before_commit(tmp_path):
 def test_kill_9_with_16_sequences_committing_concurrently_loses_nothing_acknowledged(tmp_path, capsys):
     """Commits through tickets, 16 sequences in flight on one thread (as the daemon will run
     the engine): each acknowledged only when its ticket resolved."""
-    totals = _kill_cycles(tmp_path, 5, 3, "--concurrent", "16", sizes=CONCURRENT_SIZES)
+    totals = _kill_cycles(tmp_path, 3, 3, "--concurrent", "16", sizes=CONCURRENT_SIZES)
     with capsys.disabled():
         print(f"\nkill -9, 16 concurrent: {totals}")
-    assert totals["acks"] > 5
+    assert totals["acks"] > 3
 
 
 @pytest.mark.soak
@@ -126,7 +126,8 @@ def test_the_concurrent_kill_9_mode_catches_an_acknowledgement_before_its_ticket
             child.communicate()
         try:
             check(str(d / "state"), str(d / "shm"), read_acks(d / "acks"), sizes=CONCURRENT_SIZES)
-        except AssertionError:
+        except AssertionError as exc:
+            assert "acknowledged commit lost" in str(exc), exc  # loss, not some other damage
             return
     raise AssertionError("the concurrent mode did not see an acknowledgement given before its "
                          "ticket resolved lose data: it cannot detect loss")
