@@ -66,6 +66,11 @@ class Tickets:
         self._waiting, self._unsynced = deque(), []
         return taken
 
+    @property
+    def num_waiting(self) -> int:
+        """Tickets waiting for records not yet committed (distinct lsns)."""
+        return len(self._waiting)
+
     def __bool__(self) -> bool:
         return bool(self._waiting or self._unsynced)
 
