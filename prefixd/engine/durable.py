@@ -514,4 +514,5 @@ class DurableCache:
     def check_invariants(self) -> None:
         self.cache.check_invariants([r.node for r in self.recovered.values()])
         self.wal.check_invariants()
+        self._order.check_invariants()
         assert self.recovery["device_runs_missed"] == 0, "replay missed device runs (see Replayer.restart)"

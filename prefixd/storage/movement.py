@@ -21,12 +21,13 @@ NOTE: CPU copies are a Python loop over runs of ``ctypes.memmove`` (which drops 
 0.5-1 GB/s. The loop costs ~1 us per run, noise next to a block of more than a few KiB.
 
 NOTE: a batch of at most ``INLINE_BYTES`` runs on the calling thread, as one numpy gather and
-one scatter (a read from disk: one staged read per piece): handing it to a helper thread and
-waiting for its Future cost more than the copy (a profile of 512-byte blocks showed most of a
-request waiting on such Futures), and a ``memmove`` per scattered 512-byte block cost ~2 us
-each (150 blocks: 330 us against 30-50 us for gather + scatter, measured here). 256 KiB is
-where a helper's parallel copy starts to pay on this 2-core host (two threads copy ~2x faster,
-and the round trip costs tens of us); a daemon on a bigger host could raise it.
+one scatter (a read from disk: one staged read per piece): handing it to the helper threads and
+waiting for their Futures cost more than the copy (a profile of 512-byte blocks showed most of
+a request waiting on such Futures), and a ``memmove`` per scattered 512-byte block cost ~2 us.
+Measured here (host copy with checksums, scattered slots, median of 30, busy 2-core host):
+512 B blocks x 16 / 256 / 1024 / 4096: inline 15 / 146 / 388 / 6261 us, helpers 185 / 688 /
+5233 / 20076 us; 64 KiB blocks x 1 / 4 / 16 / 64: inline 16 / 55 / 149 / 1259 us, helpers 63 /
+85 / 163 / 1175 us. Helpers start to pay past ~1 MiB of big blocks, hence 1 MiB.
 
 NOTE: copy-then-hash per L2 piece, not hash-after-batch: hashing a 128 MiB batch from DRAM
 after copying it cost ~40% of the copy bandwidth, per piece ~15-25%.
@@ -53,7 +54,7 @@ _memmove = ctypes.memmove  # a ctypes foreign call: drops the GIL
 _xxh3 = xxhash.xxh3_64_intdigest
 L2_STAGE_BYTES = 1 << 20  # staging per helper thread for reads from disk
 HELPER_THREADS = 2  # the store's helper pool; a CPU copy is split into this many tasks
-INLINE_BYTES = 256 << 10  # a batch this small is copied on the calling thread (see the NOTE)
+INLINE_BYTES = 1 << 20  # a batch this small is copied on the calling thread (see the NOTE)
 PREFETCH = True  # posix_fadvise(WILLNEED) every run of a read batch up front: the disk sees them all
 _IOV_MAX = 1024
 
