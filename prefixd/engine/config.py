@@ -10,7 +10,7 @@ ignores)::
     eviction = "lru"
     verify = "lazy"            # "lazy" | "eager"
     checkpoint_records = 100000
-    # checkpoint_blocks = 1000000   # absent: the engine's default
+    # checkpoint_blocks = 500000    # absent: the engine's default (500,000)
     spill_blocks = 256
     reclaim_grace_s = 30.0
     shm_dir = "/dev/shm"
@@ -37,11 +37,9 @@ that name the known ones: a misspelt key silently left at its default is worse t
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
-import tomllib
 from collections.abc import Mapping
 from typing import Any
 
@@ -246,7 +244,7 @@ class EngineConfig:
                 return sizes
         return self.blocks
 
-    # -- TOML ------------------------------------------------------------------------------------
+    # -- TOML (the form itself lives in ``prefixd.engine.config_toml``) -----------------------------
 
     @classmethod
     def from_toml(cls, source: str | os.PathLike | bytes) -> "EngineConfig":
@@ -257,23 +255,9 @@ class EngineConfig:
         Raises:
             ConfigError: unreadable file, bad TOML, or a bad value (the message says which).
         """
-        if isinstance(source, bytes):
-            where, text = "<bytes>", source.decode("utf-8", "replace")
-        else:
-            where = os.fspath(source)
-            try:
-                with open(where, "rb") as f:
-                    text = f.read().decode("utf-8", "replace")
-            except OSError as exc:
-                raise ConfigError(f"cannot read config file {where}: {exc.strerror}") from exc
-        try:
-            doc = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config {where} is not valid TOML: {exc}") from exc
-        table = doc.get("engine", {})
-        if not isinstance(table, dict):
-            raise ConfigError(f"config {where}: engine must be a table ([engine]), got {table!r}")
-        return cls.from_mapping(table)
+        from prefixd.engine.config_toml import engine_table
+
+        return cls.from_mapping(engine_table(source))
 
     @classmethod
     def from_mapping(cls, table: Mapping[str, Any]) -> "EngineConfig":
@@ -282,7 +266,9 @@ class EngineConfig:
         Raises:
             ConfigError: an unknown key (naming the known ones) or a bad value.
         """
-        return cls(**_parse_engine_table(table))
+        from prefixd.engine.config_toml import config_kwargs
+
+        return cls(**config_kwargs(table))
 
     def to_mapping(self) -> dict[str, Any]:
         """The ``[engine]`` table that ``from_mapping`` turns back into this config.
@@ -290,133 +276,12 @@ class EngineConfig:
         Raises:
             ConfigError: a tenant salt that is not UTF-8 text (TOML holds only text).
         """
-        blocks: dict[str, Any] = dataclasses.asdict(self.blocks)
-        if self.model_blocks:
-            blocks["models"] = {m: dataclasses.asdict(s) for m, s in self.model_blocks}
-        table: dict[str, Any] = {key: getattr(self, key) for key in _SCALAR_KEYS}
-        table["use_cuda"] = "auto" if self.use_cuda is None else self.use_cuda
-        if self.checkpoint_blocks is None:
-            del table["checkpoint_blocks"]
-        table["blocks"] = blocks
-        tenants = []
-        for t in self.tenants:
-            try:
-                tenants.append({"name": t.name, "salt": t.salt.decode()})
-            except UnicodeDecodeError:
-                raise ConfigError(f"tenant {t.name!r}: its salt is not UTF-8 text and cannot be "
-                                  f"written to a TOML file; use a text salt") from None
-        table["tenants"] = tenants
-        return table
+        from prefixd.engine.config_toml import to_table
+
+        return to_table(self)
 
     def to_toml(self) -> str:
         """This config as a TOML document with one ``[engine]`` table (``from_toml`` reads it)."""
-        lines: list[str] = []
-        _dump_table("engine", self.to_mapping(), lines)
-        return "\n".join(lines) + "\n"
+        from prefixd.engine.config_toml import dump_engine_table
 
-
-# -- the TOML form ----------------------------------------------------------------------------------
-
-_SCALAR_KEYS = ("sync", "sync_interval_ms", "write_policy", "eviction", "verify",
-                "checkpoint_records", "checkpoint_blocks", "spill_blocks", "reclaim_grace_s",
-                "shm_dir", "use_cuda", "forget_missing_tier")
-ENGINE_KEYS = _SCALAR_KEYS + ("blocks", "tenants")
-_TIER_KEYS = ("device", "host", "disk")
-
-
-def _refuse_unknown(where: str, table: Mapping[str, Any], known) -> None:
-    unknown = sorted(set(table) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown key{'s' if len(unknown) > 1 else ''} "
-                          f"{', '.join(repr(k) for k in unknown)} in [{where}]: the known keys "
-                          f"are {', '.join(known)}")
-
-
-def _table(where: str, value) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"[{where}] must be a table, got {value!r}")
-    return value
-
-
-def _parse_engine_table(table: Mapping[str, Any]) -> dict[str, Any]:
-    """``EngineConfig`` keyword arguments from an ``[engine]`` table (values checked later)."""
-    table = _table("engine", table)
-    _refuse_unknown("engine", table, ENGINE_KEYS)
-    kwargs = {key: table[key] for key in _SCALAR_KEYS if key in table}
-    if kwargs.get("use_cuda") == "auto":
-        kwargs["use_cuda"] = None
-    if "blocks" in table:
-        blocks = _table("engine.blocks", table["blocks"])
-        _refuse_unknown("engine.blocks", blocks, _TIER_KEYS + ("models",))
-        default = TierSizes(**{k: blocks[k] for k in _TIER_KEYS if k in blocks})
-        kwargs["blocks"] = default
-        models = []
-        for model_id, sizes in _table("engine.blocks.models", blocks.get("models", {})).items():
-            where = f'engine.blocks.models."{model_id}"'
-            sizes = _table(where, sizes)
-            _refuse_unknown(where, sizes, _TIER_KEYS)
-            try:
-                models.append((model_id, dataclasses.replace(default, **sizes)))
-            except ConfigError as exc:
-                raise ConfigError(f"in [{where}]: {exc}") from None
-        kwargs["model_blocks"] = tuple(models)
-    if "tenants" in table:
-        tenants = table["tenants"]
-        if not isinstance(tenants, list):
-            raise ConfigError("engine.tenants must be an array of tables: write each tenant as "
-                              "[[engine.tenants]] with name = \"...\" and salt = \"...\"")
-        parsed = []
-        for i, entry in enumerate(tenants):
-            entry = _table(f"engine.tenants[{i}]", entry)
-            _refuse_unknown(f"engine.tenants[{i}]", entry, ("name", "salt"))
-            if "name" not in entry:
-                raise ConfigError(f"[[engine.tenants]] number {i + 1} has no name: "
-                                  f"add name = \"...\"")
-            salt = entry.get("salt", "")
-            if not isinstance(salt, str):
-                raise ConfigError(f"tenant {entry['name']!r}: salt must be a string, got {salt!r}")
-            parsed.append(Tenant(entry["name"], salt))
-        kwargs["tenants"] = tuple(parsed)
-    return kwargs
-
-
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-
-
-def _toml_key(key: str) -> str:
-    return key if _BARE_KEY.fullmatch(key) else _toml_string(key)
-
-
-def _toml_string(text: str) -> str:
-    # JSON string escapes are TOML basic-string escapes; DEL must be escaped in TOML too.
-    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
-
-
-def _toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return _toml_string(value)
-    raise ConfigError(f"cannot write {value!r} as a TOML value")
-
-
-def _dump_table(name: str, table: Mapping[str, Any], lines: list[str]) -> None:
-    """Append ``[name]`` and its keys: scalars, then sub-tables, then arrays of tables."""
-    if lines:
-        lines.append("")
-    lines.append(f"[{name}]")
-    nested = []
-    for key, value in table.items():
-        if isinstance(value, Mapping) or isinstance(value, list):
-            nested.append((key, value))
-        else:
-            lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
-    for key, value in nested:
-        if isinstance(value, Mapping):
-            _dump_table(f"{name}.{_toml_key(key)}", value, lines)
-            continue
-        for item in value:
-            lines.extend(("", f"[[{name}.{_toml_key(key)}]]"))
-            lines.extend(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in item.items())
+        return dump_engine_table(self.to_mapping())
