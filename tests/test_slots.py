@@ -119,3 +119,27 @@ def test_the_never_used_bound_hands_out_exactly_what_one_free_list_did(seed):
         assert alloc.num_used == n - len(model.free) - len(model.deferred)
         assert alloc.used_slots() == set(range(n)) - set(model.free) - set(model.deferred)
         alloc.check_invariants()
+
+
+def test_quarantine_batches_come_back_in_order_once_the_watermark_passes_their_mark():
+    """Free before reuse by watermark: a sealed batch is allocatable only once ``upto``
+    reaches its mark; the open (unsealed) batch never comes back by watermark."""
+    alloc = SlotAllocator(6)
+    slots = alloc.allocate(6)
+    alloc.defer_free(slots[:2])
+    alloc.seal_deferred(10)
+    alloc.defer_free(slots[2:4])
+    alloc.seal_deferred(20)
+    alloc.defer_free(slots[4:])  # open batch: its records are not logged yet
+    assert alloc.next_deferred_mark() == 10
+    assert alloc.release_deferred(9) == 0 and alloc.num_free == 0
+    assert alloc.release_deferred(15) == 2 and alloc.allocate(2) == slots[:2]
+    assert alloc.release_deferred(10**9) == 2 and alloc.num_deferred == 2
+    alloc.check_invariants()
+    assert alloc.reclaim_deferred() == 2 and alloc.num_free == 4
+    alloc.check_invariants()
+    with pytest.raises(ValueError, match="ascend"):
+        alloc.defer_free([0])
+        alloc.seal_deferred(30)
+        alloc.defer_free([1])
+        alloc.seal_deferred(29)
