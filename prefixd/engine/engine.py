@@ -16,7 +16,6 @@ so a pool directory either has a manifest or was never used.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import logging
 import os
@@ -26,7 +25,7 @@ from typing import NamedTuple
 from prefixd.api.layout import KVLayout
 from prefixd.engine.config import EngineConfig, Tenant
 from prefixd.engine.durable import DurableCache
-from prefixd.engine.errors import ConfigError, EngineError, PoolDirError, UnknownTenantError
+from prefixd.engine.errors import EngineError, PoolDirError, UnknownTenantError
 from prefixd.wal.lock import StateDirLock
 
 log = logging.getLogger(__name__)
@@ -34,11 +33,6 @@ log = logging.getLogger(__name__)
 POOLS_DIR = "pools"
 MANIFEST = "pool.json"
 MANIFEST_FORMAT = 1
-
-# DurableCache keywords that not every build has: (name, the value that means "not asked for")
-_OPTIONAL_KEYWORDS = (("sync_interval_ms", 1000.0), ("checkpoint_blocks", None),
-                      ("forget_missing_tier", False))
-
 
 class PoolInfo(NamedTuple):
     """One pool as ``Engine.pools()`` lists it."""
@@ -62,28 +56,15 @@ def salt_print(salt: bytes) -> str:
 
 
 def cache_kwargs(config: EngineConfig, tenant: Tenant) -> dict:
-    """The ``DurableCache`` keywords of one pool of ``tenant``, from ``config``.
-
-    Raises:
-        ConfigError: a setting is asked for (not at its default) that this build's
-            ``DurableCache`` does not take.
-    """
-    kwargs = dict(tenant_salt=tenant.salt, sync=config.sync, write_policy=config.write_policy,
-                  policy=config.eviction, verify=config.verify, shm_dir=config.shm_dir,
-                  reclaim_grace_s=config.reclaim_grace_s,
+    """The ``DurableCache`` keywords of one pool of ``tenant``, from ``config`` (pool sizes
+    come from ``config.blocks_for(layout)``)."""
+    kwargs = dict(tenant_salt=tenant.salt, sync=config.sync, sync_interval_ms=config.sync_interval_ms,
+                  write_policy=config.write_policy, policy=config.eviction, verify=config.verify,
+                  shm_dir=config.shm_dir, reclaim_grace_s=config.reclaim_grace_s,
                   checkpoint_records=config.checkpoint_records, spill_blocks=config.spill_blocks,
-                  use_cuda=config.use_cuda)
-    # NOTE: these keywords are being added to DurableCache by parallel work; a setting this
-    # build cannot honour is refused rather than silently ignored.
-    accepted = inspect.signature(DurableCache).parameters
-    for name, unset in _OPTIONAL_KEYWORDS:
-        value = getattr(config, name)
-        if name in accepted:
-            if value is not None:
-                kwargs[name] = value
-        elif value != unset:
-            raise ConfigError(f"engine.{name} = {value!r} is not supported by this build's "
-                              f"engine: remove it from [engine]")
+                  use_cuda=config.use_cuda, forget_missing_tier=config.forget_missing_tier)
+    if config.checkpoint_blocks is not None:  # None: the engine's default
+        kwargs["checkpoint_blocks"] = config.checkpoint_blocks
     return kwargs
 
 
@@ -100,7 +81,6 @@ class Engine:
         StateLockedError: another engine (in this or another process) holds ``state_dir``; the
             message names its pid.
         PoolDirError: a pool directory cannot be opened as the pool it claims to be.
-        ConfigError: a pool of a configured tenant needs a setting this build does not take.
         and whatever ``DurableCache`` raises while recovering a pool (every pool opened before
         it is closed again, and the lock released).
 
