@@ -141,7 +141,8 @@ class TierStore:
         return self._allocators[self._present(tier)]
 
     def pool(self, tier: Tier) -> TensorPool | DiskPool:
-        return self._pools[self._present(tier)]
+        pool = self._pools.get(tier)  # Tier is an IntEnum: a plain int finds it too
+        return pool if pool is not None else self._pools[self._present(tier)]
 
     @property
     def file_ids(self) -> dict[Tier, bytes]:
