@@ -2,12 +2,15 @@
 
 ``DurableCache`` owns one state directory: the WAL (LMDB), the disk pool, and shm pools for the
 host (and, without a GPU, the device) tier. Every operation runs the cache core, then logs the
-events it produced; a commit at ``crash`` or ``power`` durability waits for its records to be
-durable. Opening the state directory recovers: checkpoint, log tail, reconciliation (see
+events it produced, in order, through ``OrderedLog``; a commit returns a ticket (a
+``concurrent.futures.Future``) that resolves once it is as durable as asked: no call waits for
+an fsync. Opening the state directory recovers: checkpoint, log tail, reconciliation (see
 ``prefixd.engine.replay``), then a RECOVER record. The write order lives in ``_make_durable``.
 
-Not thread-safe: one caller at a time (the daemon serializes cache operations on one thread;
-the WAL's committer thread is internal).
+Not thread-safe: one caller at a time (the daemon serializes cache operations on one thread).
+Internal threads: the WAL's committer, the disk writer and the disk sync thread; tickets
+resolve on them, so a ticket's callbacks must not call back into the cache (an asyncio loop
+uses ``asyncio.wrap_future``, which hands the result to the loop's own thread).
 """
 
 from __future__ import annotations
