@@ -29,6 +29,7 @@ from prefixd.engine.errors import DurabilityError
 from prefixd.cache.events import BlocksDropped, BlocksMoved, BlocksStored
 from prefixd.cache.node import DEVICE, DISK, HOST, path_to
 from prefixd.engine.ordered_log import OrderedLog, done, failed
+from prefixd.engine.quarantine import Quarantine
 from prefixd.engine.records import event_records
 from prefixd.engine.recovery import recover
 from prefixd.engine.replay import ZERO_HASH
@@ -149,8 +150,7 @@ class DurableCache:
         phases = {}
         self.wal = Wal(state_dir, layouts=layout.to_bytes(), sync=sync, interval_ms=sync_interval_ms)
         self._order = OrderedLog(self.wal)
-        self._lower_tiers, self._lower_allocs, self._headroom = [], [], []
-        self.forced_reclaims = 0
+        self._quarantine = Quarantine(None, self._order, spill_blocks)  # the real one once recovered
         try:
             # NOTE: recovery allocates millions of objects that all stay alive; the collector
             # would walk them again and again for nothing (measured: a third of a 1M-block
@@ -324,9 +324,11 @@ class DurableCache:
         durable quarantine, keep headroom, spill, checkpoint). Returns the position of the
         last record this call logged (before any spill it started)."""
         pos = self._submit_events(session_id)
-        self._reclaim()
-        if self._headroom_low():
-            self._make_headroom()
+        quarantine = self._quarantine
+        quarantine.release_durable()
+        if quarantine.low():
+            quarantine.evict_ahead()  # see prefixd.engine.quarantine
+            self._submit_events()
         if self.cache.tiering.pending_disk_blocks >= self.spill_blocks:
             self.spill()
         if self._since_checkpoint >= self.checkpoint_records or self._tail_blocks >= self.checkpoint_blocks:
@@ -355,39 +357,14 @@ class DurableCache:
                 blocks += replay_blocks(e)
         barrier = self.store.sync_async(Tier.DISK) if at >= 0 else None
         pos = order.submit(records, barrier, at)
-        for alloc in self._lower_allocs:
-            alloc.seal_deferred(pos)
+        self._quarantine.seal(pos)
         self._since_checkpoint += len(events)
         self._tail_blocks += blocks
         return pos
 
     def _reclaim(self) -> None:
-        """Free before reuse, by watermark: quarantined slots whose freeing records are durable
-        become allocatable. Cheap when there is nothing to do (a deque peek per tier)."""
-        durable = -1
-        for alloc in self._lower_allocs:
-            mark = alloc.next_deferred_mark()
-            if mark is not None:
-                if durable < 0:
-                    durable = self._order.durable_position()
-                if mark <= durable:
-                    alloc.release_deferred(durable)
-
-    def _headroom_low(self) -> bool:
-        for alloc, want in zip(self._lower_allocs, self._headroom):
-            if alloc.num_free + alloc.num_deferred < want:
-                return True
-        return False
-
-    def _make_headroom(self) -> None:
-        """Evict ahead in host and disk: slots freed there come back only once their records
-        are durable, so each keeps ``_headroom`` free or quarantined slots; otherwise the next
-        allocation would evict into quarantine and have to force the log (``_force_reclaim``)."""
-        for k, (tier, alloc) in enumerate(zip(self._lower_tiers, self._lower_allocs)):
-            short = self._headroom[k] - alloc.num_free - alloc.num_deferred
-            if short > 0:
-                self.cache.evict(short, tier)
-        self._submit_events()
+        """Free before reuse, by watermark (``Quarantine.release_durable``): cheap when idle."""
+        self._quarantine.release_durable()
 
     def _force_reclaim(self) -> None:
         """A lower tier is short only of quarantined slots: make their drops durable now (the
@@ -398,11 +375,12 @@ class DurableCache:
             self.wal.commit_now()  # not the next periodic fsync: now
         else:
             self.wal.flush().result()  # durable as ``sync`` defines it
-        for k, alloc in enumerate(self._lower_allocs):
-            alloc.reclaim_deferred()
-            self._headroom[k] = min(max(2 * self._headroom[k], self.spill_blocks), alloc.num_slots // 8)
-        self.forced_reclaims += 1
-        log.debug("quarantine forced headroom=%s", self._headroom)
+        self._quarantine.after_force()
+
+    @property
+    def forced_reclaims(self) -> int:
+        """How often a tier short only of quarantined slots made the serving thread wait."""
+        return self._quarantine.num_forced
 
     def _settle(self) -> None:
         """Log every event and wait until no record is held behind a disk barrier (before a
@@ -413,12 +391,7 @@ class DurableCache:
     def _serve_setup(self) -> None:
         """After recovery: disk writes behind the caller, and the quarantine bookkeeping."""
         self.store.write_behind = True
-        self._lower_tiers = [t for t in (HOST, DISK) if self.cache.allocators[t] is not None]
-        self._lower_allocs = [self.cache.allocators[t] for t in self._lower_tiers]
-        # NOTE: no headroom until a shortage forces the log: a cache that never waits keeps
-        # all of its capacity; the first force sets it to ``spill_blocks``, each next one
-        # doubles it, up to an eighth of the tier.
-        self._headroom = [0] * len(self._lower_allocs)
+        self._quarantine = Quarantine(self.cache, self._order, self.spill_blocks)
 
     # -- background work -------------------------------------------------------------------------
 
@@ -518,4 +491,5 @@ class DurableCache:
         self.cache.check_invariants([r.node for r in self.recovered.values()])
         self.wal.check_invariants()
         self._order.check_invariants()
+        self._quarantine.check_invariants()
         assert self.recovery["device_runs_missed"] == 0, "replay missed device runs (see Replayer.restart)"
