@@ -184,10 +184,7 @@ class OrderedLog:
 
     def _append(self, records: list, last_pos: int) -> None:
         """Under ``_lock``: append to the WAL, remember the mark, resolve tickets now covered."""
-        append = self._wal.append
-        lsn = 0
-        for kind, fields, blob in records:
-            lsn = append(kind, *fields, blob=blob)
+        lsn = self._wal.append_many(records)
         self._appended = last_pos
         if records:
             self._marks.append((last_pos, lsn))

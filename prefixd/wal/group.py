@@ -158,6 +158,35 @@ class GroupCommitter:
                 self._cv.notify_all()
         return lsn
 
+    def append_many(self, records) -> int:
+        """``append`` for several ``(kind, fields, blob)`` records, encoded outside the lock and
+        added under one acquisition; returns the last lsn (the one before, if none)."""
+        if self._pid != _pid[0]:
+            self._wenv.check_usable()
+        values = [encode(kind, fields, blob) for kind, fields, blob in records]
+        with self._lock:
+            if len(self._pending) >= self._backlog and threading.current_thread() is not self._thread:
+                self._cv.wait_for(lambda: len(self._pending) < self._backlog // 2
+                                  or self._failure is not None or self._closing)
+            if self._failure is not None:
+                raise self._failure
+            if self._closing:
+                raise WalClosedError(f"write-ahead log {self._wenv.state_dir} is closed")
+            lsn = self._next_lsn
+            pending = self._pending
+            was_empty = not pending
+            for value in values:
+                pending.append((pack_key(lsn), value))
+                lsn += 1
+            self._next_lsn = lsn
+            if was_empty and values:
+                self._first_append_t = time.monotonic()
+                if self._idle:
+                    self._cv.notify_all()
+            elif len(pending) >= self._max_group:
+                self._cv.notify_all()
+        return lsn - 1
+
     def flush(self) -> Future:
         """A ticket for everything appended so far; see ``Wal.flush``."""
         self._wenv.check_usable()

@@ -137,6 +137,7 @@ class Wal:
         # NOTE: the hot path skips one Python frame: the instance attribute shadows the method
         # below, which stays for its documentation.
         self.append = self._committer.append  # type: ignore[method-assign]
+        self.append_many = self._committer.append_many  # type: ignore[method-assign]
         self._committer.start()
 
     # --- appending ----------------------------------------------------------------------------------
@@ -157,6 +158,14 @@ class Wal:
             WalFailedError: the log is poisoned. WalClosedError: closed. ForkedEnvError.
         """
         return self._committer.append(kind, *fields, blob=blob)  # shadowed in __init__
+
+    def append_many(self, records) -> int:
+        """``append`` for a batch of ``(kind, fields, blob)`` records, in order, under one lock.
+
+        Returns:
+            The lsn of the last record. Raises as ``append`` (nothing appended on a bad record).
+        """
+        return self._committer.append_many(records)  # shadowed in __init__
 
     def flush(self) -> Future:
         """A ticket for every record appended so far (by any thread).

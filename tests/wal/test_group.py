@@ -277,3 +277,16 @@ def test_a_ticket_resolves_with_the_group_holding_its_lsn_not_a_later_one(open_w
     assert committed_when_a_resolved == [5], "ticket A waited for a later group"
     assert wal.flush().result(1) == 9  # nothing new: an already durable lsn
     wal.check_invariants()
+
+
+def test_append_many_takes_lsns_in_order_and_refuses_a_bad_batch_whole(open_wal):
+    wal = open_wal()
+    first = wal.append(Kind.EXTEND, 1, 1)
+    last = wal.append_many([(Kind.EXTEND, (2, n), b"") for n in range(5)])
+    assert last == first + 5
+    with pytest.raises(ValueError):
+        wal.append_many([(Kind.EXTEND, (3, 0), b""), (Kind.EXTEND, (3,), b"")])
+    assert wal.append(Kind.EXTEND, 4, 0) == last + 1  # nothing of the bad batch took an lsn
+    wal.flush().result()
+    assert [r.fields for r in wal.replay()] == [(1, 1)] + [(2, n) for n in range(5)] + [(4, 0)]
+    wal.check_invariants()
