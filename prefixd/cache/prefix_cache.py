@@ -222,7 +222,7 @@ class PrefixCache:
             table = []
             deepest_hash = b""
         num_cached = len(table)
-        need = -(-num_tokens // bs) - num_cached
+        need = total - num_cached
         slots = self.device.allocate(need)
         if slots is None:
             slots = self.allocation.allocate(DEVICE, need)
