@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 SYNC_POLICIES = ("commit", "interval", "none")
 READER_CHECK_GROUPS = 4096
 READER_CHECK_S = 60.0
-GATHER_STEP_S = 0.0002  # a wanted group waits this long for more records, while they keep coming
+GATHER_STEP_S = 0.0003  # a wanted group waits this long for more records, while they keep coming
 GATHER_MAX_S = 0.002    # ... at most this long (see GroupCommitter._gather)
 
 
