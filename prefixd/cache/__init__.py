@@ -5,7 +5,8 @@ to the engine that drains ``PrefixCache.events`` into the WAL.
 """
 
 from prefixd.cache.errors import CacheError, InvalidTokens, OutOfBlocks, UnknownSequence
-from prefixd.cache.prefix_cache import LookupResult, PrefixCache
+from prefixd.cache.lookup import LookupResult
+from prefixd.cache.prefix_cache import PrefixCache
 from prefixd.cache.sequence import Sequence
 
 __all__ = ["CacheError", "InvalidTokens", "LookupResult", "OutOfBlocks", "PrefixCache",

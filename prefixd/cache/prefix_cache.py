@@ -2,43 +2,21 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
-from typing import NamedTuple
 
 from prefixd.api.layout import as_token_bytes
 from prefixd.cache import events as ev
-from prefixd.cache.events import (BlocksDropped, BlocksMoved, BlocksStored, SeqCommitted, SeqExtended,
+from prefixd.cache.events import (BlocksMoved, BlocksStored, SeqCommitted, SeqExtended,
                                   SeqOpened, SeqReleased, new_event)
 from prefixd.cache.errors import InvalidTokens, OutOfBlocks, UnknownSequence
-from prefixd.cache.node import DEVICE, DISK, Node
+from prefixd.cache.lookup import LookupResult, lookup
+from prefixd.cache.node import DEVICE, Node
 from prefixd.cache.policy import make_policy
 from prefixd.cache.radix import RadixTree
 from prefixd.cache.sequence import Sequence
 from prefixd.cache.stats import CacheStats  # noqa: F401 (re-exported)
 from prefixd.cache.allocation import Allocation, device_prefix
 from prefixd.storage.slots import SlotAllocator
-
-
-class LookupResult(NamedTuple):
-    """Cached tokens of a prompt, and how many of them each tier would serve (best tier).
-
-    Fields:
-        cached_tokens: tokens an ``open`` will serve (given device room): the match up to the
-            first run whose only copy is an unverified disk copy.
-        device_tokens, host_tokens, disk_tokens: the whole match by the best tier holding each
-            token (they sum to ``cached_tokens + unverified_tokens``).
-        unverified_tokens: the rest of the match: disk blocks found by a recovery whose
-            checksums no one has checked since (``Node.disk_verified``). An ``open`` checks
-            them and serves them unless they turned out corrupt; a caller must not count them
-            as a sure hit.
-    """
-
-    cached_tokens: int
-    device_tokens: int
-    host_tokens: int
-    disk_tokens: int
-    unverified_tokens: int = 0
 
 
 class PrefixCache:
@@ -147,25 +125,9 @@ class PrefixCache:
         self._next_id = next_id
 
     def lookup(self, tokens, extra: bytes = b"") -> LookupResult:
-        """Cached tokens for ``tokens``, without pinning or touching anything.
-
-        NOTE: after a restart (lazy verify) a disk block's checksum is checked only when an
-        ``open`` promotes it, and a corrupt one is cut there; so tokens from the first
-        unverified disk run on are reported as ``unverified_tokens``, not ``cached_tokens``.
-        Checking them here would read every disk block a lookup touches; a lookup stays an
-        index walk.
-        """
-        tokens = self._tokens(tokens)
-        pairs = self.tree.peek(self.tree.root(extra), tokens, len(tokens) // self.block_bytes)
-        by_tier = [0, 0, 0]
-        bs = self.block_size
-        unverified = 0
-        for node, k in pairs:
-            best = next(t for t in range(3) if node.slots[t] is not None)
-            by_tier[best] += k * bs
-            if unverified or (best == DISK and not node.disk_verified):
-                unverified += k * bs
-        return LookupResult(sum(by_tier) - unverified, *by_tier, unverified)
+        """Cached tokens for ``tokens``, without pinning or touching anything (see
+        ``prefixd.cache.lookup``: unverified disk tokens are not promised)."""
+        return lookup(self.tree, self._tokens(tokens), extra)
 
     def drain_events(self) -> list:
         out, self.events = self.events, []
