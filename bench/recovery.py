@@ -56,7 +56,8 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 from prefixd.api.layout import KVLayout  # noqa: E402
-from prefixd.engine.durable import CHECKPOINT_BLOCKS, DurableCache  # noqa: E402
+from prefixd.engine.durable import DurableCache  # noqa: E402
+from prefixd.engine.records import CHECKPOINT_BLOCKS  # noqa: E402
 from prefixd.wal import Kind  # noqa: E402
 
 BLOCK_SIZE = 16

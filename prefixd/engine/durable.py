@@ -21,43 +21,26 @@ import logging
 import os
 import time
 from concurrent.futures import Future
-from typing import NamedTuple
 
 from prefixd.api.layout import KVLayout
-from prefixd.engine import kv_io, snapshot as ckpt
+from prefixd.engine import kv_io, reclaim, snapshot as ckpt
+from prefixd.engine.reclaim import Reclaimed
 from prefixd.engine.errors import DurabilityError
-from prefixd.cache.events import BlocksDropped, BlocksMoved, BlocksStored
-from prefixd.cache.node import DEVICE, DISK, HOST, path_to
+from prefixd.cache.events import BlocksMoved
+from prefixd.cache.node import DISK, HOST, path_to
 from prefixd.engine.ordered_log import OrderedLog, done, failed
 from prefixd.engine.quarantine import Quarantine
-from prefixd.engine.records import event_records
+from prefixd.engine.records import CHECKPOINT_BLOCKS, event_records, replay_blocks
 from prefixd.engine.recovery import recover
-from prefixd.engine.replay import ZERO_HASH
 from prefixd.crashpoints import crash_point
 from prefixd.storage.errors import StorageError
 from prefixd.api.tiers import Tier
-from prefixd.wal import Kind, Wal
+from prefixd.wal import Wal
 
 log = logging.getLogger(__name__)
 
 DURABILITY = ("index", "crash", "power")
 TICK_PERIOD_S = 0.1  # how often the daemon's loop is expected to call ``DurableCache.tick``
-CHECKPOINT_BLOCKS = 500_000  # default bound on the blocks a replay of the tail decodes (class NOTE)
-_BLOCK_EVENTS = (BlocksStored, BlocksMoved, BlocksDropped)
-
-
-def replay_blocks(event) -> int:
-    """The blocks a replay of ``event``'s record decodes one by one (the checkpoint trigger's
-    unit, counted alike by ``Replayer.blocks``): a stored run's hashes and tokens, the slots
-    (and checksums) of a copy into host or disk, the hashes of a forgotten run. A move into
-    the device or a drop that leaves a copy elsewhere names its run by its ends: one lookup,
-    whatever its length (the record bound covers those)."""
-    t = type(event)
-    if t is BlocksStored or (t is BlocksMoved and event.tier != DEVICE) or (t is BlocksDropped and event.forgotten):
-        return len(event.hashes)
-    return 0
-
-
 def _poison_on_storage_error(method):
     """A storage error inside an operation leaves events that can never be logged (and bytes
     the kernel may have dropped): poison the log so nothing more is acknowledged; a restart
@@ -71,15 +54,6 @@ def _poison_on_storage_error(method):
             raise self.wal.fail(exc) from exc
 
     return guarded
-
-
-class Reclaimed(NamedTuple):
-    """A reclaimed sequence: its old id, the new live sequence (``None`` if nothing survived)
-    and how many tokens survived."""
-
-    old_id: int
-    seq: object
-    num_tokens: int
 
 
 class DurableCache:
@@ -105,16 +79,7 @@ class DurableCache:
             is refused (``TierLostError``); True drops those blocks at recovery instead and
             counts them in ``recovery["forgotten_blocks"]``.
 
-    NOTE (checkpoint trigger): a restart replays every record since the last checkpoint, and
-    a record that brings per-block data costs replay per block (a BLOCK_PUT's hashes and
-    tokens, the slots and checksums of a move into host or disk, the hashes of a forgotten
-    run): with 12k-token prompts a 44k-record tail named 3.1M blocks and replayed in 2.3-3.0 s.
-    So a checkpoint is due once the tail would make replay decode ``checkpoint_blocks`` blocks
-    (``replay_blocks``), or once it holds ``checkpoint_records`` records, whichever comes
-    first; a replayed tail counts toward both until the next checkpoint. The default,
-    ``CHECKPOINT_BLOCKS``, is about what the reference 100k-record tail of ``bench/recovery.py``
-    decodes (so either bound alone costs a replay like the one that keeps a 1M-block restart
-    within its 1.0 s target); its long-prompt case shows the tail bounded.
+    NOTE (checkpoint trigger): see ``prefixd.engine.records.replay_blocks``.
 
     NOTE (expiry without a timer): recovered sequences hold their blocks for
     ``reclaim_grace_s``; every mutating call (open, extend, fork, commit, release) first
@@ -211,17 +176,9 @@ class DurableCache:
         return self.cache.sequence(seq_id)
 
     def write_kv(self, seq, start: int, kv) -> None:
-        """Write the KV of tokens ``start .. start + n`` of a live sequence into its device blocks.
-
-        Args:
-            seq: the sequence (or its id).
-            start: its first token (e.g. ``seq.cached_tokens``: what the cache did not serve).
-            kv: ``[num_layers, 2, n, num_kv_heads, head_dim]`` of the layout's dtype, any device.
-        Raises:
-            UnknownSequence; ValueError: wrong shape or dtype, or tokens past the sequence's end;
-            SharedBlockError: a token falls in an indexed block or in a partial last block shared
-                with forked siblings (nothing is written).
-        """
+        """Write ``kv`` (``[num_layers, 2, n, num_kv_heads, head_dim]``) as the KV of tokens
+        ``start .. start + n`` of a live sequence (or id); see ``prefixd.engine.kv_io.write_kv``
+        (only blocks the sequence owns alone: ``SharedBlockError`` otherwise)."""
         kv_io.write_kv(self.cache, self.store.pool(Tier.DEVICE).tensor, self.layout, seq, start, kv)
 
     def read_kv(self, seq, start: int, n: int):
@@ -353,8 +310,7 @@ class DurableCache:
                 at = len(records)
             record = event_records(e, session_id)
             records.append(record)
-            if type(e) in _BLOCK_EVENTS:
-                blocks += replay_blocks(e)
+            blocks += replay_blocks(e)
         barrier = self.store.sync_async(Tier.DISK) if at >= 0 else None
         pos = order.submit(records, barrier, at)
         self._quarantine.seal(pos)
@@ -420,29 +376,20 @@ class DurableCache:
 
     def expire_recovered(self) -> int:
         """Release every recovered sequence not reclaimed (their blocks stay cached)."""
-        n = len(self.recovered)
-        for rec in self.recovered.values():
-            self.cache.release_recovered(rec.seq_id, rec.node)  # a SeqReleased event
-        self.recovered.clear()
+        n = reclaim.expire(self.cache, self.recovered)
         self._log()
         return n
 
     @_poison_on_storage_error
     def reclaim(self, session_id: int) -> list[Reclaimed]:
-        """Reopen the recovered sequences of ``session_id`` on their surviving blocks."""
+        """Reopen the recovered sequences of ``session_id`` on their surviving blocks
+        (``prefixd.engine.reclaim``); see ``reclaim.reopen`` for a refusal halfway."""
         out = []
-        for old_id in [k for k, r in self.recovered.items() if r.session_id == session_id]:
-            rec = self.recovered[old_id]
-            tokens = b"".join(n.tokens for n in path_to(rec.node))
-            seq = None
-            if tokens:  # its lock holds the blocks while the reopen makes room; OutOfBlocks
-                # leaves it recovered (and still locked) for a later reclaim or the expiry
-                seq = self.cache.open(tokens, rec.extra, full_match=True)
-                self._sessions[seq.id] = session_id
-            del self.recovered[old_id]
-            self.cache.release_recovered(old_id, rec.node)  # a SeqReleased event, after the OPEN
+        for item in reclaim.reopen(self.cache, self.recovered, session_id):
+            if item.seq is not None:
+                self._sessions[item.seq.id] = session_id
             self._log(session_id)
-            out.append(Reclaimed(old_id, seq, seq.cached_tokens if seq else 0))
+            out.append(item)
         return out
 
     @_poison_on_storage_error
@@ -450,18 +397,8 @@ class DurableCache:
         """Fold the log into a checkpoint of the current state; returns its lsn."""
         self._settle()  # every event logged, none held behind a disk barrier: the dump holds
         # no effect whose record is not in the log before ``lsn``
-        seqs = []
-        for seq in self.cache.sequences():
-            node = seq.node
-            seqs.append([seq.id, self._sessions.get(seq.id, 0),
-                         node.hashes[-1] if node.parent is not None else ZERO_HASH, seq.extra])
-        for rec in self.recovered.values():
-            node = rec.node
-            seqs.append([rec.seq_id, rec.session_id,
-                         node.hashes[-1] if node.parent is not None else ZERO_HASH, rec.extra])
-        meta = {"next_seq_id": self.cache.next_seq_id,
-                "file_ids": {str(int(t)): fid.hex() for t, fid in self.store.file_ids.items()}}
-        index, seq_values = ckpt.dump(self.cache, meta, seqs)
+        index, seq_values = ckpt.dump_engine(self.cache, self._sessions, self.recovered.values(),
+                                             self.store.file_ids)
         lsn = self.wal.stats().next_lsn - 1
         crash_point("checkpoint_dumped")
         self.wal.checkpoint(lsn, index, seq_values)

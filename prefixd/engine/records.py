@@ -34,6 +34,7 @@ from typing import NamedTuple
 import numpy as np
 
 from prefixd.cache import events as ev
+from prefixd.cache.events import BlocksDropped, BlocksMoved, BlocksStored
 from prefixd.cache.node import DEVICE
 from prefixd.wal.codec import CRC_SIZE
 from prefixd.wal.kinds import CODECS, Kind
@@ -197,3 +198,28 @@ def decode_recover(value) -> tuple[int, bool]:
     """A RECOVER's ``(epoch, host_kept)``."""
     epoch, kept = _RECOVER_FIELDS(value, 1)
     return epoch, bool(kept)
+
+
+# NOTE (checkpoint trigger): a restart replays every record since the last checkpoint, and
+# a record that brings per-block data costs replay per block (a BLOCK_PUT's hashes and
+# tokens, the slots and checksums of a move into host or disk, the hashes of a forgotten
+# run): with 12k-token prompts a 44k-record tail named 3.1M blocks and replayed in 2.3-3.0 s.
+# So a checkpoint is due once the tail would make replay decode ``checkpoint_blocks`` blocks
+# (``replay_blocks``), or once it holds ``checkpoint_records`` records, whichever comes
+# first; a replayed tail counts toward both until the next checkpoint. The default,
+# ``CHECKPOINT_BLOCKS``, is about what the reference 100k-record tail of ``bench/recovery.py``
+# decodes (so either bound alone costs a replay like the one that keeps a 1M-block restart
+# within its 1.0 s target); its long-prompt case shows the tail bounded.
+CHECKPOINT_BLOCKS = 500_000  # default bound on the blocks a replay of the tail decodes (NOTE above)
+
+
+def replay_blocks(event) -> int:
+    """The blocks a replay of ``event``'s record decodes one by one (the checkpoint trigger's
+    unit, counted alike by ``Replayer.blocks``): a stored run's hashes and tokens, the slots
+    (and checksums) of a copy into host or disk, the hashes of a forgotten run. A move into
+    the device or a drop that leaves a copy elsewhere names its run by its ends: one lookup,
+    whatever its length (the record bound covers those)."""
+    t = type(event)
+    if t is BlocksStored or (t is BlocksMoved and event.tier != DEVICE) or (t is BlocksDropped and event.forgotten):
+        return len(event.hashes)
+    return 0

@@ -13,7 +13,6 @@ import os
 import struct
 import time
 from itertools import chain
-from typing import NamedTuple
 
 import numpy as np
 
@@ -22,9 +21,11 @@ from prefixd.cache.errors import CacheError
 from prefixd.engine.errors import IndexLostError, TierLostError
 from prefixd.engine.reconcile import surviving
 from prefixd.cache.hashing import root_hash
-from prefixd.cache.node import DISK, HOST, path_to
+from prefixd.cache.node import DISK, HOST
 from prefixd.cache.prefix_cache import PrefixCache
-from prefixd.engine.replay import ZERO_HASH, Replayer, ReplayError
+from prefixd.engine.reclaim import RecoveredSeq
+from prefixd.engine.records import ZERO_HASH
+from prefixd.engine.replay import Replayer, ReplayError
 from prefixd.api.tiers import Tier
 from prefixd.storage.tier_store import TierStore
 from prefixd.wal import Kind, WalCorruptError
@@ -33,20 +34,6 @@ log = logging.getLogger(__name__)
 
 # What decoding checksum-valid but wrong checkpoint bytes raises (msgpack's errors are ValueErrors)
 _UNDECODABLE = (ValueError, KeyError, IndexError, TypeError, struct.error)
-
-
-class RecoveredSeq(NamedTuple):
-    """A sequence that was live before the restart, cut back to its surviving blocks."""
-
-    seq_id: int
-    session_id: int
-    node: object
-    extra: bytes
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens that survived (whole blocks on the path to ``node``)."""
-        return sum(len(n.tokens) for n in path_to(self.node)) // 4
 
 
 def recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify, shm_dir,

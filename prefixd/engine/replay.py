@@ -34,7 +34,7 @@ import numpy as np
 from prefixd.cache.node import DEVICE, Node, split
 from prefixd.engine import records
 from prefixd.engine.reconcile import reconcile, shallow_first
-from prefixd.engine.records import RUN, ZERO_HASH, unpacker  # noqa: F401 (ZERO_HASH: for recovery)
+from prefixd.engine.records import RUN, unpacker
 from prefixd.wal.codec import CRC_SIZE, encode
 from prefixd.wal.kinds import Kind
 
@@ -72,7 +72,7 @@ class Replayer:
         self.where: dict[bytes, Node] | None = None
         self.runs: dict[bytes, Node] = {}  # first hash || last hash -> the node that is exactly that run
         self.records = 0
-        self.blocks = 0  # blocks decoded one by one (``prefixd.engine.durable.replay_blocks``)
+        self.blocks = 0  # blocks decoded one by one (``prefixd.engine.records.replay_blocks``)
         self.device_runs: list[Node] = []
         self.max_seq_id = 0  # the highest sequence id an OPEN or FORK record named
         self.device_runs_missed = 0  # restarts whose device runs were not all tracked (a bug)

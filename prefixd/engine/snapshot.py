@@ -31,7 +31,7 @@ import numpy as np
 
 from prefixd.engine.errors import StateFormatError
 from prefixd.cache.node import DEVICE, DISK, HOST, Node, new_root
-from prefixd.engine.records import RECORDS_VERSION
+from prefixd.engine.records import RECORDS_VERSION, ZERO_HASH
 
 
 def dump(cache, extra_meta: dict, seqs: list) -> tuple[dict[bytes, bytes], dict[bytes, bytes]]:
@@ -208,3 +208,21 @@ def load(tree, index: dict, block_bytes: int) -> tuple[dict, list[Node], np.ndar
         raise ValueError(f"checkpoint columns disagree with node flags: used {at_host}/{len(host)} host, "
                          f"{at_disk}/{len(disk)} disk slots and {at_sums}/{len(sums)} checksums")
     return meta, nodes, hashes
+
+
+def dump_engine(cache, sessions: dict, recovered, file_ids: dict) -> tuple[dict[bytes, bytes], dict[bytes, bytes]]:
+    """The checkpoint values of a durable cache: ``dump`` of its tree, its live and recovered
+    sequences (each named by its deepest node's last hash), the next sequence id and the tier
+    files' ids (``sessions``: live seq id -> session id; ``recovered``: ``RecoveredSeq``s)."""
+    seqs = []
+    for seq in cache.sequences():
+        node = seq.node
+        seqs.append([seq.id, sessions.get(seq.id, 0),
+                     node.hashes[-1] if node.parent is not None else ZERO_HASH, seq.extra])
+    for rec in recovered:
+        node = rec.node
+        seqs.append([rec.seq_id, rec.session_id,
+                     node.hashes[-1] if node.parent is not None else ZERO_HASH, rec.extra])
+    meta = {"next_seq_id": cache.next_seq_id,
+            "file_ids": {str(int(t)): fid.hex() for t, fid in file_ids.items()}}
+    return dump(cache, meta, seqs)
