@@ -209,8 +209,10 @@ class PrefixCache:
         Raises:
             UnknownSequence, InvalidTokens, OutOfBlocks (nothing changed).
         """
-        seq = self.sequence(seq_id)
-        add = self._tokens(tokens)
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequence(seq_id)
+        add = tokens if type(tokens) is bytes and not len(tokens) & 3 else self._tokens(tokens)
         if not add:
             return []
         bs = self.block_size
@@ -220,10 +222,12 @@ class PrefixCache:
         cow = bool(old % bs and self._shared_tail and table[-1] in self._shared_tail)
         slots = []
         if need + cow:
-            self.allocation.ensure_room(need + cow)
-            slots = self.allocation.allocate(DEVICE, need + cow)
-            if slots is None:  # ``ensure_room`` said it could: a bug, but refuse cleanly
-                raise OutOfBlocks(need + cow, self.device.num_free)
+            slots = self.device.allocate(need + cow)  # free slots: nothing to check or evict
+            if slots is None:
+                self.allocation.ensure_room(need + cow)
+                slots = self.allocation.allocate(DEVICE, need + cow)
+                if slots is None:  # ``ensure_room`` said it could: a bug, but refuse cleanly
+                    raise OutOfBlocks(need + cow, self.device.num_free)
         if cow:
             new_slot = slots.pop()
             self._copy_on_write(seq, new_slot)
