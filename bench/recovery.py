@@ -134,11 +134,17 @@ def build(state: str, shm: str, n: int, tail: int, seed: int = 0) -> dict:
     tree = dc.cache.tree
     requests = 0
     tiering = dc.cache.tiering
-    while tree.num_blocks_in[2] + sum(node.num_blocks for node in tiering.pending_disk) < n:
+    best, best_at = 0, 0
+    while (have := tree.num_blocks_in[2] + sum(node.num_blocks for node in tiering.pending_disk)) < n:
         serve(dc, traffic.next_prompt(8, 150, p_new=0.5))
         requests += 1
         if len(tiering.pending_disk) >= 64:
             dc.spill()
+        if have > best:
+            best, best_at = have, requests
+        elif requests - best_at > 5000:  # a bounded loop: the disk tier stopped filling
+            raise RuntimeError(f"build stalled at {have} of {n} disk blocks (disk tier {disk}) "
+                               f"after {requests} requests: something keeps disk slots empty")
     dc.spill()
     build_s = time.perf_counter() - t0
     t1 = time.perf_counter()

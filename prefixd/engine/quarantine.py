@@ -14,8 +14,9 @@ steady eviction would find only quarantined slots at its next allocation and for
 raises the tier's headroom: every log step then keeps that many free or quarantined slots by
 evicting ahead, as kswapd keeps free pages.
 
-Invariants (``check_invariants``): ``headroom[k]`` is within ``[0, tier size // 8]``; every
-sealed batch's mark is at most the engine's last position.
+Invariants (``check_invariants``): ``headroom[k]`` is within ``[0, cap[k]]``, the cap being
+``MAX_HEADROOM_BATCHES`` first-headroom batches and at most an eighth of the tier; every sealed
+batch's mark is at most the engine's last position.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import logging
 from prefixd.cache.node import DISK, HOST
 
 log = logging.getLogger(__name__)
+
+MAX_HEADROOM_BATCHES = 8  # headroom cap, in ``first_headroom`` batches (class NOTE)
 
 
 class Quarantine:
@@ -37,7 +40,10 @@ class Quarantine:
 
     NOTE: no headroom until a shortage forces the log: a cache that never waits keeps all of
     its capacity. The first force sets it to ``first_headroom``, each next one doubles it, up to
-    an eighth of the tier.
+    ``MAX_HEADROOM_BATCHES`` batches (and an eighth of a small tier). Headroom is capacity the
+    cache does not use: bounded by a fraction of the tier alone, a busy 1M-block disk tier kept
+    131k blocks empty (and a state that had to reach 1M blocks never did); a few batches are
+    what one group commit frees, which is all that waiting for the watermark needs.
     """
 
     def __init__(self, cache, order, first_headroom: int) -> None:
@@ -48,6 +54,7 @@ class Quarantine:
         self.tiers = [t for t in (HOST, DISK) if cache is not None and cache.allocators[t] is not None]
         self.allocs = [cache.allocators[t] for t in self.tiers]
         self.headroom = [0] * len(self.allocs)
+        self.caps = [min(first_headroom * MAX_HEADROOM_BATCHES, a.num_slots // 8) for a in self.allocs]
         self.num_forced = 0
 
     def seal(self, pos: int) -> None:
@@ -84,12 +91,12 @@ class Quarantine:
         """The log was made durable by force: release everything, raise the headroom."""
         for k, alloc in enumerate(self.allocs):
             alloc.reclaim_deferred()
-            self.headroom[k] = min(max(2 * self.headroom[k], self._first), alloc.num_slots // 8)
+            self.headroom[k] = min(max(2 * self.headroom[k], self._first), self.caps[k])
         self.num_forced += 1
         log.debug("quarantine forced headroom=%s", self.headroom)
 
     def check_invariants(self) -> None:
-        for alloc, want in zip(self.allocs, self.headroom):
-            assert 0 <= want <= max(0, alloc.num_slots // 8), "headroom out of range"
+        for alloc, want, cap in zip(self.allocs, self.headroom, self.caps):
+            assert 0 <= want <= max(0, cap), "headroom out of range"
             mark = alloc.next_deferred_mark()
             assert mark is None or mark <= self._order.position, "a batch sealed past the last position"

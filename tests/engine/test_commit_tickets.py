@@ -169,3 +169,21 @@ def test_a_tier_short_only_of_quarantined_slots_forces_the_log(make):
         dc.release(seq.id)
     dc.check_invariants()
     assert dc.cache.allocators[HOST].num_used <= 4
+
+
+def test_headroom_stays_a_few_batches_of_a_big_tier():
+    """Regression: each forced reclaim doubled the evict-ahead headroom up to an eighth of the
+    tier, so a busy 1M-block disk tier kept 131k blocks empty for good (bench/recovery.py's
+    build never reached its 1M blocks). The cap is a few spill batches."""
+    from prefixd.engine.quarantine import MAX_HEADROOM_BATCHES, Quarantine
+    from prefixd.storage.slots import SlotAllocator
+
+    class Cache:
+        allocators = [SlotAllocator(64), SlotAllocator(8192), SlotAllocator(1_000_000)]
+
+    q = Quarantine(Cache(), order=None, first_headroom=256)
+    for _ in range(40):
+        q.after_force()
+    host_cap, disk_cap = 8192 // 8, 256 * MAX_HEADROOM_BATCHES
+    assert q.headroom == [host_cap, disk_cap]
+    assert disk_cap <= 1_000_000 // 100, "headroom must stay a small share of a big tier"
