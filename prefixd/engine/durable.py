@@ -28,7 +28,8 @@ from prefixd.engine.reclaim import Reclaimed
 from prefixd.engine.errors import DurabilityError
 from prefixd.cache.events import BlocksMoved
 from prefixd.cache.node import DISK, HOST, path_to
-from prefixd.engine.ordered_log import OrderedLog, done, failed
+from prefixd.engine.ordered_log import OrderedLog
+from prefixd.wal.tickets import done, failed
 from prefixd.engine.quarantine import Quarantine
 from prefixd.engine.records import CHECKPOINT_BLOCKS, event_records, replay_blocks
 from prefixd.engine.recovery import recover

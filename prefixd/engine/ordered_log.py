@@ -46,19 +46,6 @@ class _Held(NamedTuple):
     last_pos: int
 
 
-def done(value: Any) -> Future:
-    """A ticket that is already resolved."""
-    fut: Future = Future()
-    fut.set_result(value)
-    return fut
-
-
-def failed(exc: BaseException) -> Future:
-    fut: Future = Future()
-    fut.set_exception(exc)
-    return fut
-
-
 def _chain(source: Future, ticket: Future, value: Any) -> None:
     """Resolve ``ticket`` with ``value`` (or ``source``'s error) when ``source`` is done."""
 

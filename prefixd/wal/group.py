@@ -39,7 +39,7 @@ from prefixd.crashpoints import crash_point
 from prefixd.wal.codec import encode, pack_key
 from prefixd.wal.env import WalEnv, _pid
 from prefixd.wal.errors import WalClosedError, WalError, WalFailedError
-from prefixd.wal.tickets import Tickets
+from prefixd.wal.tickets import Tickets, done, failed
 
 log = logging.getLogger(__name__)
 
@@ -74,18 +74,6 @@ class _Taken(NamedTuple):
     last_lsn: int
     jobs: list[tuple[Callable[[], object], Future]]
     closing: bool
-
-
-def _done(value: int) -> Future:
-    fut: Future = Future()
-    fut.set_result(value)
-    return fut
-
-
-def _failed(exc: BaseException) -> Future:
-    fut: Future = Future()
-    fut.set_exception(exc)
-    return fut
 
 
 class GroupCommitter:
@@ -133,39 +121,21 @@ class GroupCommitter:
 
     def append(self, kind: int, *fields: int | float, blob: bytes = b"") -> int:
         """Buffer one record; see ``Wal.append`` (which is bound to this method)."""
-        if self._pid != _pid[0]:
-            self._wenv.check_usable()  # raises ForkedEnvError
-        value = encode(kind, fields, blob)
-        with self._lock:
-            if len(self._pending) >= self._backlog and threading.current_thread() is not self._thread:
-                # Backpressure: a producer that outruns the disk waits for the committer
-                # instead of growing the backlog (and its memory) without bound.
-                self._cv.wait_for(lambda: len(self._pending) < self._backlog // 2
-                                  or self._failure is not None or self._closing)
-            if self._failure is not None:
-                raise self._failure
-            if self._closing:
-                raise WalClosedError(f"write-ahead log {self._wenv.state_dir} is closed")
-            lsn = self._next_lsn
-            self._next_lsn = lsn + 1
-            pending = self._pending
-            pending.append((pack_key(lsn), value))
-            if len(pending) == 1:
-                self._first_append_t = time.monotonic()
-                if self._idle:
-                    self._cv.notify_all()
-            elif len(pending) >= self._max_group:
-                self._cv.notify_all()
-        return lsn
+        return self._add((encode(kind, fields, blob),))
 
     def append_many(self, records) -> int:
         """``append`` for several ``(kind, fields, blob)`` records, encoded outside the lock and
         added under one acquisition; returns the last lsn (the one before, if none)."""
+        return self._add([encode(kind, fields, blob) for kind, fields, blob in records])
+
+    def _add(self, values) -> int:
+        """Give encoded ``values`` the next lsns, in order, under one lock; returns the last."""
         if self._pid != _pid[0]:
-            self._wenv.check_usable()
-        values = [encode(kind, fields, blob) for kind, fields, blob in records]
+            self._wenv.check_usable()  # raises ForkedEnvError
         with self._lock:
             if len(self._pending) >= self._backlog and threading.current_thread() is not self._thread:
+                # Backpressure: a producer that outruns the disk waits for the committer
+                # instead of growing the backlog (and its memory) without bound.
                 self._cv.wait_for(lambda: len(self._pending) < self._backlog // 2
                                   or self._failure is not None or self._closing)
             if self._failure is not None:
@@ -192,10 +162,10 @@ class GroupCommitter:
         self._wenv.check_usable()
         with self._cv:
             if self._failure is not None:
-                return _failed(self._failure)
+                return failed(self._failure)
             last = self._next_lsn - 1
             if last <= self._durable_lsn:
-                return _done(self._durable_lsn)
+                return done(self._durable_lsn)
             fut = self._tickets.ticket(last, self._committed_lsn)
             if last > self._taken_lsn and not self._flush_wanted:
                 self._flush_wanted = True
@@ -211,7 +181,7 @@ class GroupCommitter:
         fut: Future = Future()
         with self._cv:
             if self._failure is not None:
-                return _failed(self._failure)
+                return failed(self._failure)
             if self._closing:
                 raise WalClosedError(f"write-ahead log {self._wenv.state_dir} is closed")
             self._jobs.append((job, fut, self._next_lsn - 1))
@@ -222,7 +192,7 @@ class GroupCommitter:
         fut: Future = Future()
         with self._cv:
             if self._failure is not None:
-                return _failed(self._failure)
+                return failed(self._failure)
             taken = self._take()
         jobs = taken.jobs + [(job, fut)]
         try:

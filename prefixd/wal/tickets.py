@@ -18,6 +18,20 @@ from collections import deque
 from concurrent.futures import Future
 
 
+def done(value) -> Future:
+    """A ticket that is already resolved with ``value``."""
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+def failed(exc: BaseException) -> Future:
+    """A ticket that has already failed with ``exc``."""
+    fut: Future = Future()
+    fut.set_exception(exc)
+    return fut
+
+
 class Tickets:
     __slots__ = ("_waiting", "_unsynced")
 
