@@ -1,12 +1,11 @@
 """The checkpoint trigger: the log tail a restart replays stays bounded in blocks, not just records."""
 
-import os
 
 import numpy as np
 import pytest
 
 from prefixd.api.layout import KVLayout
-from prefixd.engine import DurableCache
+from tests.engine.factory import cache_factory
 
 BS = 16
 LAYOUT = KVLayout("trigger", num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32", block_size=BS)
@@ -17,21 +16,8 @@ BOUND = 8000
 
 @pytest.fixture
 def make(tmp_path):
-    made = []
-
-    def _make(**kw):
-        kw.setdefault("shm_dir", str(tmp_path / "shm"))
-        os.makedirs(kw["shm_dir"], exist_ok=True)
-        dc = DurableCache(str(tmp_path / "state"), LAYOUT, SIZES, sync="none", **kw)
-        made.append(dc)
-        return dc
-
-    yield _make
-    for dc in made:
-        try:
-            dc.close()
-        except Exception:
-            pass
+    with cache_factory(tmp_path, LAYOUT, SIZES, sync="none") as make:
+        yield make
 
 
 def _long_prompt(rng) -> bytes:

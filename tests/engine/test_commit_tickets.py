@@ -1,13 +1,12 @@
 """Commits that never block the serving thread: tickets, shared fsyncs, the record order
 behind disk barriers, and quarantined slots released by the durable watermark."""
 
-import os
 import threading
 
 import pytest
 
 from prefixd.cache.node import DISK, HOST
-from prefixd.engine import DurableCache
+from tests.engine.factory import cache_factory
 from prefixd.storage.pools import DiskPool
 from prefixd.wal import Kind
 from prefixd.wal.env import WalEnv
@@ -20,22 +19,8 @@ RETURNS_WITHIN_S = 10.0  # a call that has not returned by then is waiting for t
 
 @pytest.fixture
 def make(tmp_path):
-    made = []
-
-    def _make(sizes=(32, 16, 64), **kw):
-        kw.setdefault("shm_dir", str(tmp_path / "shm"))
-        os.makedirs(kw["shm_dir"], exist_ok=True)
-        kw.setdefault("reclaim_grace_s", 0.0)
-        dc = DurableCache(str(tmp_path / "state"), LAYOUT, sizes, **kw)
-        made.append(dc)
-        return dc
-
-    yield _make
-    for dc in made:
-        try:
-            dc.close()
-        except Exception:
-            pass
+    with cache_factory(tmp_path, LAYOUT, (32, 16, 64), reclaim_grace_s=0.0) as make:
+        yield make
 
 
 class Stall:

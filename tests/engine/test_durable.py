@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from prefixd.engine import DurabilityError, DurableCache
+from tests.engine.factory import cache_factory
+from prefixd.engine import DurabilityError
 from prefixd.cache.node import DISK, HOST
 from prefixd.api.tiers import Tier
 from prefixd.wal import EnvAlreadyOpenError, StateMismatchError
@@ -17,21 +18,8 @@ LAYOUT = tiny_layout(BS)
 @pytest.fixture
 def make(tmp_path):
     """``make(**kw) -> DurableCache`` over one state dir; closes what is left open."""
-    made = []
-
-    def _make(sizes=(8, 8, 32), layout=LAYOUT, **kw):
-        kw.setdefault("shm_dir", str(tmp_path / "shm"))
-        os.makedirs(kw["shm_dir"], exist_ok=True)
-        dc = DurableCache(str(tmp_path / "state"), layout, sizes, **kw)
-        made.append(dc)
-        return dc
-
-    yield _make
-    for dc in made:
-        try:
-            dc.close()
-        except Exception:
-            pass
+    with cache_factory(tmp_path, LAYOUT, (8, 8, 32)) as make:
+        yield make
 
 
 def _serve(dc, tokens, durability="crash"):

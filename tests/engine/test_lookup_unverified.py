@@ -6,7 +6,7 @@ import pytest
 
 from prefixd.api.tiers import Tier
 from prefixd.cache.node import DISK
-from prefixd.engine import DurableCache
+from tests.engine.factory import cache_factory
 from tests.cache.helpers import StoreTokens, tiny_layout
 
 BS = 2
@@ -16,21 +16,8 @@ PROMPT = [1, 2, 3, 4, 5, 6, 7]  # three full blocks and a loose token
 
 @pytest.fixture
 def make(tmp_path):
-    made = []
-
-    def _make(**kw):
-        kw.setdefault("shm_dir", str(tmp_path / "shm"))
-        os.makedirs(kw["shm_dir"], exist_ok=True)
-        dc = DurableCache(str(tmp_path / "state"), LAYOUT, (8, 8, 32), **kw)
-        made.append(dc)
-        return dc
-
-    yield _make
-    for dc in made:
-        try:
-            dc.close()
-        except Exception:
-            pass
+    with cache_factory(tmp_path, LAYOUT, (8, 8, 32)) as make:
+        yield make
 
 
 def _restart_from_disk_with_block_damaged(make, tmp_path, bad_block: int | None):
