@@ -5,12 +5,8 @@ client hands and gets the KV of ``n`` consecutive tokens as ``[num_layers, 2, n,
 head_dim]`` (DESIGN.md "Client library"). Token ``t`` of a sequence is row ``t % block_size`` of
 block ``block_table[t // block_size]``.
 
-NOTE: the whole blocks of a range move as a strided view of the client's tensor
-(``[k, num_layers, 2, block_size, ...]``, no staging copy): one ``copy_`` per run of consecutive
-slots, or a single indexed copy when the slots are scattered into many runs (one kernel on a
-GPU instead of one per run). A partial block at either end of the range is written in place,
-row by row: only its token rows change, the rest of the block is left as it was (the
-read-modify-write happens in the pool, without reading the block out).
+The copies themselves are ``prefixd.kernels.token_io`` (pure tensor code the client's mapped
+path uses too); this module checks the sequence, the range and who may write it first.
 """
 
 from __future__ import annotations
@@ -18,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from prefixd.engine.errors import SharedBlockError
-from prefixd.storage.movement import runs
+from prefixd.kernels.token_io import MAX_RUNS, check_kv, read_tokens, write_tokens
 
-MAX_RUNS = 16  # above this many runs of consecutive slots, one indexed copy moves the blocks
+__all__ = ["MAX_RUNS", "check_kv", "check_range", "read_kv", "write_kv"]
 
 
 def write_kv(cache, pool: torch.Tensor, layout, seq, start: int, kv) -> None:
@@ -53,25 +49,6 @@ def read_kv(cache, pool: torch.Tensor, seq, start: int, n: int) -> torch.Tensor:
     return read_tokens(pool, seq.block_table, start, n, cache.block_size)
 
 
-def check_kv(layout, kv) -> int:
-    """The token count of ``kv``, after checking it is ``[num_layers, 2, n, num_kv_heads,
-    head_dim]`` of ``layout``'s dtype.
-
-    Raises:
-        ValueError: another type, shape or dtype (the message gives the expected one).
-    """
-    want = (layout.num_layers, 2, "n", layout.num_kv_heads, layout.head_dim)
-    if not isinstance(kv, torch.Tensor):
-        raise ValueError(f"kv must be a torch.Tensor {want} of {layout.dtype}, got {type(kv).__name__}")
-    shape = tuple(kv.shape)
-    if len(shape) != 5 or shape[:2] != want[:2] or shape[3:] != want[3:]:
-        raise ValueError(f"kv must have shape {want} (num_layers, K/V, tokens, num_kv_heads, "
-                         f"head_dim), got {shape}")
-    if kv.dtype != layout.torch_dtype():
-        raise ValueError(f"kv must be of the layout's dtype {layout.dtype}, got {kv.dtype}")
-    return shape[2]
-
-
 def check_range(seq, start: int, n: int) -> None:
     """Raises ValueError unless tokens ``start .. start + n`` lie within ``seq``."""
     if not isinstance(start, int) or not isinstance(n, int) or start < 0 or n < 0:
@@ -79,64 +56,3 @@ def check_range(seq, start: int, n: int) -> None:
     if start + n > seq.num_tokens:
         raise ValueError(f"tokens {start}..{start + n} are past the end of sequence {seq.id} "
                          f"({seq.num_tokens} tokens): extend it first")
-
-
-def write_tokens(pool: torch.Tensor, block_table, start: int, kv: torch.Tensor, block_size: int) -> None:
-    """``pool`` rows of tokens ``start .. start + n`` (through ``block_table``) = ``kv``."""
-    n = kv.shape[2]
-    kv = kv.to(pool.device)
-    for off, slot, row, k in _partial_blocks(block_table, start, n, block_size):
-        pool[slot, :, :, row:row + k].copy_(kv[:, :, off:off + k])
-    first, off, nb = _whole_blocks(start, n, block_size)
-    if nb:
-        src = kv[:, :, off:off + nb * block_size].unflatten(2, (nb, block_size)).permute(2, 0, 1, 3, 4, 5)
-        slots = block_table[first:first + nb]
-        spans = runs(slots)
-        if len(spans) > MAX_RUNS:
-            pool.index_copy_(0, torch.tensor(slots, dtype=torch.long, device=pool.device), src)
-            return
-        for i, slot, k in spans:
-            pool[slot:slot + k].copy_(src[i:i + k])
-
-
-def read_tokens(pool: torch.Tensor, block_table, start: int, n: int, block_size: int) -> torch.Tensor:
-    """A new ``[num_layers, 2, n, num_kv_heads, head_dim]`` tensor (on the pool's device) holding
-    the KV of tokens ``start .. start + n``."""
-    _, num_layers, _, _, num_kv_heads, head_dim = pool.shape
-    out = torch.empty((num_layers, 2, n, num_kv_heads, head_dim), dtype=pool.dtype, device=pool.device)
-    for off, slot, row, k in _partial_blocks(block_table, start, n, block_size):
-        out[:, :, off:off + k].copy_(pool[slot, :, :, row:row + k])
-    first, off, nb = _whole_blocks(start, n, block_size)
-    if nb:
-        dst = out[:, :, off:off + nb * block_size].unflatten(2, (nb, block_size)).permute(2, 0, 1, 3, 4, 5)
-        slots = block_table[first:first + nb]
-        spans = runs(slots)
-        if len(spans) > MAX_RUNS:
-            dst.copy_(pool.index_select(0, torch.tensor(slots, dtype=torch.long, device=pool.device)))
-        else:
-            for i, slot, k in spans:
-                dst[i:i + k].copy_(pool[slot:slot + k])
-    return out
-
-
-def _whole_blocks(start: int, n: int, block_size: int) -> tuple[int, int, int]:
-    """``(first block, its offset in the range, how many)`` of the blocks the range covers whole."""
-    first = -(-start // block_size)
-    end = (start + n) // block_size
-    if end <= first:
-        return first, 0, 0
-    return first, first * block_size - start, end - first
-
-
-def _partial_blocks(block_table, start: int, n: int, block_size: int) -> list[tuple[int, int, int, int]]:
-    """``(offset in the range, slot, first row, rows)`` of each block the range covers only in
-    part: at most two, the one it starts in and the one it ends in."""
-    if not n:
-        return []
-    end = start + n
-    out = []
-    for b in sorted({start // block_size, (end - 1) // block_size}):
-        lo, hi = max(start, b * block_size), min(end, (b + 1) * block_size)
-        if hi - lo < block_size:
-            out.append((lo - start, block_table[b], lo - b * block_size, hi - lo))
-    return out

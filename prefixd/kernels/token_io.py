@@ -1,0 +1,116 @@
+"""A token range's KV into and out of a block-major pool, through a block table.
+
+The pool is ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``; a caller hands and
+gets the KV of ``n`` consecutive tokens as ``[num_layers, 2, n, num_kv_heads, head_dim]``
+(DESIGN.md "Client library"). Token ``t`` of a sequence is row ``t % block_size`` of block
+``block_table[t // block_size]``. Pure tensor code, no checks of who may write what: the engine
+(``prefixd.engine.kv_io``) and the client's mapped path (``prefixd.client.mapped``) each check
+ownership first, then call these.
+
+NOTE: the whole blocks of a range move as a strided view of the caller's tensor
+(``[k, num_layers, 2, block_size, ...]``, no staging copy): one ``copy_`` per run of consecutive
+slots, or a single indexed copy when the slots are scattered into many runs (one kernel on a
+GPU instead of one per run). A partial block at either end of the range is written in place,
+row by row: only its token rows change, the rest of the block is left as it was (the
+read-modify-write happens in the pool, without reading the block out).
+"""
+
+from __future__ import annotations
+
+import torch
+
+MAX_RUNS = 16  # above this many runs of consecutive slots, one indexed copy moves the blocks
+
+
+def check_kv(layout, kv) -> int:
+    """The token count of ``kv``, after checking it is ``[num_layers, 2, n, num_kv_heads,
+    head_dim]`` of ``layout``'s dtype (``layout`` is a ``prefixd.api.KVLayout``).
+
+    Raises:
+        ValueError: another type, shape or dtype (the message gives the expected one).
+    """
+    want = (layout.num_layers, 2, "n", layout.num_kv_heads, layout.head_dim)
+    if not isinstance(kv, torch.Tensor):
+        raise ValueError(f"kv must be a torch.Tensor {want} of {layout.dtype}, got {type(kv).__name__}")
+    shape = tuple(kv.shape)
+    if len(shape) != 5 or shape[:2] != want[:2] or shape[3:] != want[3:]:
+        raise ValueError(f"kv must have shape {want} (num_layers, K/V, tokens, num_kv_heads, "
+                         f"head_dim), got {shape}")
+    if kv.dtype != layout.torch_dtype():
+        raise ValueError(f"kv must be of the layout's dtype {layout.dtype}, got {kv.dtype}")
+    return shape[2]
+
+
+def write_tokens(pool: torch.Tensor, block_table, start: int, kv: torch.Tensor, block_size: int) -> None:
+    """``pool`` rows of tokens ``start .. start + n`` (through ``block_table``, a list of int
+    slots) = ``kv``."""
+    n = kv.shape[2]
+    kv = kv.to(pool.device)
+    for off, slot, row, k in _partial_blocks(block_table, start, n, block_size):
+        pool[slot, :, :, row:row + k].copy_(kv[:, :, off:off + k])
+    first, off, nb = _whole_blocks(start, n, block_size)
+    if nb:
+        src = kv[:, :, off:off + nb * block_size].unflatten(2, (nb, block_size)).permute(2, 0, 1, 3, 4, 5)
+        slots = block_table[first:first + nb]
+        spans = slot_runs(slots)
+        if len(spans) > MAX_RUNS:
+            pool.index_copy_(0, torch.tensor(slots, dtype=torch.long, device=pool.device), src)
+            return
+        for i, slot, k in spans:
+            pool[slot:slot + k].copy_(src[i:i + k])
+
+
+def read_tokens(pool: torch.Tensor, block_table, start: int, n: int, block_size: int) -> torch.Tensor:
+    """A new ``[num_layers, 2, n, num_kv_heads, head_dim]`` tensor (on the pool's device) holding
+    the KV of tokens ``start .. start + n``."""
+    _, num_layers, _, _, num_kv_heads, head_dim = pool.shape
+    out = torch.empty((num_layers, 2, n, num_kv_heads, head_dim), dtype=pool.dtype, device=pool.device)
+    for off, slot, row, k in _partial_blocks(block_table, start, n, block_size):
+        out[:, :, off:off + k].copy_(pool[slot, :, :, row:row + k])
+    first, off, nb = _whole_blocks(start, n, block_size)
+    if nb:
+        dst = out[:, :, off:off + nb * block_size].unflatten(2, (nb, block_size)).permute(2, 0, 1, 3, 4, 5)
+        slots = block_table[first:first + nb]
+        spans = slot_runs(slots)
+        if len(spans) > MAX_RUNS:
+            dst.copy_(pool.index_select(0, torch.tensor(slots, dtype=torch.long, device=pool.device)))
+        else:
+            for i, slot, k in spans:
+                dst[i:i + k].copy_(pool[slot:slot + k])
+    return out
+
+
+def slot_runs(slots) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive slots as ``(position, first_slot, length)``."""
+    out: list[tuple[int, int, int]] = []
+    i, stop = 0, len(slots)
+    while i < stop:
+        j = i + 1
+        while j < stop and slots[j] == slots[j - 1] + 1:
+            j += 1
+        out.append((i, slots[i], j - i))
+        i = j
+    return out
+
+
+def _whole_blocks(start: int, n: int, block_size: int) -> tuple[int, int, int]:
+    """``(first block, its offset in the range, how many)`` of the blocks the range covers whole."""
+    first = -(-start // block_size)
+    end = (start + n) // block_size
+    if end <= first:
+        return first, 0, 0
+    return first, first * block_size - start, end - first
+
+
+def _partial_blocks(block_table, start: int, n: int, block_size: int) -> list[tuple[int, int, int, int]]:
+    """``(offset in the range, slot, first row, rows)`` of each block the range covers only in
+    part: at most two, the one it starts in and the one it ends in."""
+    if not n:
+        return []
+    end = start + n
+    out = []
+    for b in sorted({start // block_size, (end - 1) // block_size}):
+        lo, hi = max(start, b * block_size), min(end, (b + 1) * block_size)
+        if hi - lo < block_size:
+            out.append((lo - start, block_table[b], lo - b * block_size, hi - lo))
+    return out
