@@ -73,6 +73,8 @@ class Engine:
 
     Args:
         state_dir: created if missing; holds the engine lock and ``pools/``.
+        lock: the state directory's lock, already taken by the caller (the daemon takes it
+            before it binds a socket); the engine takes it itself when None.
         config: every setting (default: ``EngineConfig()``). Each pool gets the configured
             pool sizes in full (``config.blocks_for(layout)``): with P pools the engine may use
             P times the configured memory and disk; a budget shared across pools is future work.
@@ -95,12 +97,15 @@ class Engine:
     Not thread-safe, like ``DurableCache``: one caller at a time.
     """
 
-    def __init__(self, state_dir: str, config: EngineConfig | None = None) -> None:
+    def __init__(self, state_dir: str, config: EngineConfig | None = None, *,
+                 lock: StateDirLock | None = None) -> None:
         self.config = config if config is not None else EngineConfig()
         if not isinstance(self.config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(self.config).__name__}")
         self.state_dir = os.path.abspath(state_dir)
-        self._lock: StateDirLock | None = StateDirLock(self.state_dir)  # before anything else
+        # before anything else; a daemon takes it itself before binding its sockets and hands
+        # it over (the engine releases it on close either way)
+        self._lock: StateDirLock | None = lock if lock is not None else StateDirLock(self.state_dir)
         self._pools: dict[tuple[str, KVLayout], DurableCache] = {}
         self.unconfigured: list[str] = []  # pool directories of tenants no longer configured
         try:
@@ -149,6 +154,11 @@ class Engine:
             out.append(PoolInfo(tenant, layout, dc.state_dir,
                                 tuple(dc.cache.tree.num_blocks_in), capacity))
         return out
+
+    def pool_items(self) -> list[tuple[tuple[str, KVLayout], DurableCache]]:
+        """Every open pool as ``((tenant, layout), cache)``, in no particular order."""
+        self._check_open()
+        return list(self._pools.items())
 
     def pool_path(self, tenant: str, layout: KVLayout) -> str:
         """Where the pool of ``tenant`` and ``layout`` lives (whether or not it exists)."""

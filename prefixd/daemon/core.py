@@ -1,0 +1,50 @@
+"""What every socket's servicer shares: the engine, the sessions, the daemon's state.
+
+States: ``recovering`` (the engine opens on a worker thread; only Status and health answer),
+``serving``, ``stopping`` (SIGTERM/SIGINT: no new calls; in-flight ones finish). Everything
+here is touched on the event-loop thread only.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import Counter
+
+from prefixd.daemon.settings import DaemonConfig
+from prefixd.daemon.sessions import SessionTable
+from prefixd.daemon.status import unavailable
+from prefixd.engine.config import EngineConfig
+
+RECOVERING, SERVING, STOPPING = "recovering", "serving", "stopping"
+
+
+class DaemonCore:
+    """The daemon's shared state.
+
+    Invariants: ``engine`` is None iff ``state == RECOVERING`` (or the engine failed to open,
+    in which case the daemon exits); ``epoch`` never changes after construction.
+    """
+
+    def __init__(self, engine_config: EngineConfig, config: DaemonConfig, state_dir: str) -> None:
+        self.engine_config = engine_config
+        self.config = config
+        self.state_dir = state_dir
+        self.engine = None
+        self.state = RECOVERING
+        self.epoch = secrets.randbits(63) or 1
+        self.started = time.monotonic()
+        self.sessions = SessionTable(config.lease_s, config.limits)
+        self.calls: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.in_flight = 0
+        self.keepalive_tasks: set = set()  # KeepAlive handlers' tasks, cancelled at a stop
+
+    def check_serving(self) -> None:
+        """Raises UNAVAILABLE unless the daemon serves."""
+        if self.state == SERVING:
+            return
+        if self.state == RECOVERING:
+            raise unavailable("the daemon is recovering its cache after a restart: retry in a "
+                              "moment (prefixctl status shows the progress)")
+        raise unavailable("the daemon is shutting down: retry once it is back")

@@ -1,0 +1,241 @@
+"""The daemon process: lock, sockets, recovery, the serving loop, and a clean stop.
+
+Order at start (each step only after the one before succeeded):
+
+1. take the state directory's lock (a second daemon on the same state exits here, naming the
+   first one's pid, before it touches any socket);
+2. bind one ``grpc.aio`` server per tenant socket (with health checking and reflection) and
+   answer Status while
+3. the engine opens (recovers) on a worker thread; then health says SERVING and every rpc is
+   served, and a tick task runs the engine's periodic work and the lease sweep.
+
+SIGTERM / SIGINT: stop accepting, end the KeepAlive streams (sessions are not ended: their
+sequences stay in the log for a Reclaim after the restart), let in-flight calls finish within
+``shutdown_grace_s``, checkpoint, close the engine, remove the sockets, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import grp
+import logging
+import os
+import pwd
+import signal
+import socket
+import stat
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from prefixd.api import prefixd_pb2 as pb
+from prefixd.api import prefixd_pb2_grpc as pb_grpc
+from prefixd.daemon.settings import DaemonConfig, TenantSocket
+from prefixd.daemon.core import SERVING, STOPPING, DaemonCore
+from prefixd.daemon.service import PrefixCacheService
+from prefixd.engine.config import EngineConfig
+from prefixd.engine.durable import TICK_PERIOD_S
+from prefixd.engine.engine import Engine
+from prefixd.engine.errors import ConfigError
+from prefixd.wal.lock import StateDirLock
+
+log = logging.getLogger(__name__)
+
+SERVICE = pb.DESCRIPTOR.services_by_name["PrefixCache"].full_name
+
+
+class SocketInUseError(ConfigError):
+    """A socket path is served by another process (not a stale file)."""
+
+
+class Daemon:
+    """One daemon process over ``state_dir``; ``await run()`` serves until a stop signal.
+
+    Invariants: the lock is held before any socket file exists and until every one is removed;
+    ``core.engine`` is set only after recovery and used only on the loop's thread.
+    """
+
+    def __init__(self, state_dir: str, engine_config: EngineConfig, config: DaemonConfig) -> None:
+        self.state_dir = os.path.abspath(state_dir)
+        self.core = DaemonCore(engine_config, config, self.state_dir)
+        self.sockets = config.socket_paths(engine_config, self.state_dir)
+        self._servers: list[tuple[grpc.aio.Server, health.aio.HealthServicer]] = []
+        self._bound: list[str] = []
+        self._stop = asyncio.Event()
+
+    async def run(self) -> int:
+        """Serve until SIGTERM/SIGINT (or ``stop()``); returns the exit status.
+
+        Raises:
+            StateLockedError: another daemon holds the state directory (nothing was bound).
+            ConfigError, SocketInUseError, OSError: a socket could not be set up (nothing served).
+        """
+        loop = asyncio.get_running_loop()
+        lock = StateDirLock(self.state_dir)  # 1: before any socket
+        try:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stop)
+            for sock in self.sockets:  # 2
+                await self._serve_socket(sock)
+            log.info("listening sockets=%s state_dir=%s pid=%d", ",".join(self._bound),
+                     self.state_dir, os.getpid())
+            # 3: the engine recovers off the loop; Status answers meanwhile
+            engine_lock, lock = lock, None  # the engine owns (and releases) it from here
+            self.core.engine = await loop.run_in_executor(
+                None, lambda: Engine(self.state_dir, self.core.engine_config, lock=engine_lock))
+        except BaseException:
+            await self._close_servers(0)
+            if lock is not None:
+                lock.release()
+            raise
+        self.core.state = SERVING
+        for _, health_servicer in self._servers:
+            await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+            await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving pools=%d epoch=%#x", len(self.core.engine.pools()), self.core.epoch)
+        ticker = asyncio.create_task(self._tick())
+        await self._stop.wait()
+        return await self._shutdown(ticker)
+
+    def stop(self) -> None:
+        """Begin a clean stop (what SIGTERM does)."""
+        if not self._stop.is_set():
+            log.info("stop requested")
+        self._stop.set()
+
+    # -- serving -------------------------------------------------------------------------------
+
+    async def _serve_socket(self, sock: TenantSocket) -> None:
+        cfg = self.core.config
+        _prepare_path(sock.path)
+        options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
+                   ("grpc.max_send_message_length", cfg.max_message_bytes),
+                   ("grpc.so_reuseport", 0)]
+        server = grpc.aio.server(options=options, maximum_concurrent_rpcs=cfg.max_concurrent_calls)
+        pb_grpc.add_PrefixCacheServicer_to_server(PrefixCacheService(self.core, sock.tenant), server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME), server)
+        await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        try:
+            server.add_insecure_port("unix:" + sock.path)
+        except RuntimeError as exc:
+            raise OSError(errno.EADDRNOTAVAIL, f"cannot listen on {sock.path}: {exc}") from None
+        await server.start()
+        self._servers.append((server, health_servicer))
+        self._bound.append(sock.path)
+        _set_owner_and_mode(sock)
+
+    async def _tick(self) -> None:
+        """The engine's periodic work and the lease sweep, every ``TICK_PERIOD_S``."""
+        core = self.core
+        while True:
+            await asyncio.sleep(TICK_PERIOD_S)
+            try:
+                core.engine.tick()
+            except Exception as exc:  # noqa: BLE001 - logged; the loop keeps serving
+                log.error("engine tick failed error=%r", exc)
+            try:
+                core.sessions.expire()
+            except Exception as exc:  # noqa: BLE001
+                log.exception("lease sweep failed error=%r", exc)
+
+    # -- stopping ------------------------------------------------------------------------------
+
+    async def _shutdown(self, ticker: asyncio.Task) -> int:
+        core = self.core
+        core.state = STOPPING
+        log.info("stopping sessions=%d in_flight=%d", len(core.sessions), core.in_flight)
+        for _, health_servicer in self._servers:
+            await health_servicer.enter_graceful_shutdown()
+        for task in list(core.keepalive_tasks):  # streams never end by themselves
+            task.cancel()
+        await self._close_servers(core.config.shutdown_grace_s)
+        ticker.cancel()
+        status = 0
+        try:
+            lsns = core.engine.checkpoint()
+            log.info("checkpoint at stop pools=%d", len(lsns))
+        except Exception as exc:  # noqa: BLE001 - the log still holds everything acknowledged
+            log.error("checkpoint at stop failed (the next start replays the log) error=%r", exc)
+            status = 1
+        try:
+            core.engine.close()
+        except Exception as exc:  # noqa: BLE001
+            log.error("closing the engine failed error=%r", exc)
+            status = 1
+        log.info("stopped status=%d", status)
+        return status
+
+    async def _close_servers(self, grace: float) -> None:
+        await asyncio.gather(*(server.stop(grace) for server, _ in self._servers),
+                             return_exceptions=True)
+        for path in self._bound:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self._servers.clear()
+        self._bound.clear()
+
+
+def _prepare_path(path: str) -> None:
+    """Make the socket's directory (0750 when we create it) and clear a stale socket file.
+
+    Raises SocketInUseError when a process answers on ``path``; ConfigError when ``path`` is
+    something other than a socket.
+    """
+    directory = os.path.dirname(path)
+    if not os.path.isdir(directory):
+        os.makedirs(directory, mode=0o750)
+        os.chmod(directory, 0o750)  # makedirs' mode is filtered by the umask
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(f"{path} exists and is not a socket: remove it or choose another socket path")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        os.unlink(path)  # left by a daemon that died: nobody listens
+        log.info("removed a stale socket path=%s", path)
+        return
+    except OSError:
+        pass
+    finally:
+        probe.close()
+    raise SocketInUseError(f"socket {path} is served by another process (another prefixd on "
+                           f"another state directory?): stop it or choose another socket path")
+
+
+def _set_owner_and_mode(sock: TenantSocket) -> None:
+    """Apply the tenant socket's mode, owner and group (owner/group need the privilege)."""
+    os.chmod(sock.path, sock.mode)
+    uid = _resolve(sock.owner, pwd.getpwnam, "pw_uid", "user")
+    gid = _resolve(sock.group, grp.getgrnam, "gr_gid", "group")
+    if uid != -1 or gid != -1:
+        try:
+            os.chown(sock.path, uid, gid)
+        except PermissionError:
+            raise ConfigError(f"cannot give socket {sock.path} owner {sock.owner!r} group "
+                              f"{sock.group!r}: the daemon lacks the privilege (run it as root "
+                              f"or drop owner/group from [[daemon.sockets]])") from None
+
+
+def _resolve(name: str, lookup, field: str, what: str) -> int:
+    if not name:
+        return -1
+    if name.isdigit():
+        return int(name)
+    try:
+        return getattr(lookup(name), field)
+    except KeyError:
+        raise ConfigError(f"[[daemon.sockets]]: no {what} named {name!r} on this host") from None

@@ -1,0 +1,362 @@
+"""The ``PrefixCache`` servicer of one tenant's socket: the control rpcs.
+
+Each handler runs on the event loop that owns the engine and calls the engine directly (its
+calls take microseconds and never wait for an fsync). A commit's acknowledgment waits for its
+ticket with ``asyncio.wrap_future``: the loop serves other calls meanwhile, so commits of many
+clients share WAL groups. The KV data path (WriteKV, ReadKV, Attend) is ``kv_rpc``.
+
+Every failure is answered with a status (``status.status_of``): no request, however malformed,
+raises out of a handler, and a refused call changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import os
+import time
+
+import grpc
+
+import prefixd
+from prefixd.api import prefixd_pb2 as pb
+from prefixd.api import prefixd_pb2_grpc as pb_grpc
+from prefixd.api.layout import KVLayout, as_token_bytes
+from prefixd.daemon.core import RECOVERING, DaemonCore
+from prefixd.daemon.sessions import Session
+from prefixd.daemon.status import RpcFailure, invalid, status_of
+
+log = logging.getLogger(__name__)
+
+_INT32 = "<i4"
+
+
+def rpc(fn):
+    """Count the call, check the daemon serves (unless ``always``), answer failures as statuses."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    async def handler(self, request, context):
+        core = self.core
+        core.calls[name] += 1
+        core.in_flight += 1
+        try:
+            if name not in _ALWAYS:
+                core.check_serving()
+            return await fn(self, request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            core.errors[name] += 1
+            code, message = status_of(exc)
+            log.debug("call refused method=%s code=%s message=%s", name, code.name, message)
+            await context.abort(code, message)
+        finally:
+            core.in_flight -= 1
+
+    return handler
+
+
+_ALWAYS = {"Status"}
+
+
+def tokens_of(raw: bytes) -> bytes:
+    """Packed int32 token ids from a request field (checked)."""
+    if not isinstance(raw, bytes) or len(raw) % 4:
+        raise invalid(f"tokens must be packed little-endian int32 bytes (a multiple of 4), "
+                      f"got {len(raw)} bytes")
+    if not raw:
+        raise invalid("tokens are empty: send at least one token id")
+    return as_token_bytes(raw)
+
+
+def table_bytes(table) -> bytes:
+    import numpy as np
+
+    return np.asarray(table, dtype=_INT32).tobytes()
+
+
+def seq_reply(seq) -> pb.SequenceReply:
+    return pb.SequenceReply(seq_id=seq.id, num_tokens=seq.num_tokens,
+                            cached_tokens=seq.cached_tokens,
+                            block_table=table_bytes(seq.block_table), num_indexed=seq.num_indexed)
+
+
+def layout_of(msg: pb.KVLayout) -> KVLayout:
+    try:
+        return KVLayout(msg.model_id, msg.num_layers, msg.num_kv_heads, msg.head_dim,
+                        msg.dtype, msg.block_size)
+    except ValueError as exc:
+        raise invalid(f"bad KV layout: {exc}") from None
+
+
+def _kv():
+    from prefixd.daemon import kv_rpc  # TODO(lead): top-level import once kv_rpc lands
+
+    return kv_rpc
+
+
+async def _same_session(first, stream, session_id: int):
+    """The chunks of one WriteKV stream, each checked to name the stream's session."""
+    yield first
+    async for chunk in stream:
+        if chunk.session_id != session_id:
+            raise invalid("every chunk of one WriteKV stream must name the same session")
+        yield chunk
+
+
+class PrefixCacheService(pb_grpc.PrefixCacheServicer):
+    """The servicer of ``tenant``'s socket. Every session it makes is stamped with ``tenant``,
+    and every call finds sessions of ``tenant`` only."""
+
+    def __init__(self, core: DaemonCore, tenant: str) -> None:
+        self.core = core
+        self.tenant = tenant
+
+    def _session(self, session_id: int) -> Session:
+        session = self.core.sessions.get(session_id, self.tenant)
+        self.core.sessions.ping(session)
+        return session
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    @rpc
+    async def Attach(self, request, context):
+        layout = layout_of(request.layout)
+        name = request.client_name[:128] or "unnamed"
+        pool = self.core.engine.pool(self.tenant, layout)
+        session = self.core.sessions.attach(self.tenant, name, layout, pool)
+        return pb.AttachReply(session_id=session.id, lease_s=self.core.config.lease_s,
+                              pools=_kv().pool_descriptors(pool), tenant=self.tenant,
+                              epoch=self.core.epoch,
+                              max_message_bytes=self.core.config.max_message_bytes)
+
+    async def KeepAlive(self, request_iterator, context):
+        """Holds the session while the stream lasts; ends it when the stream ends (not at a
+        daemon shutdown: its sequences stay in the log for a Reclaim after the restart)."""
+        core = self.core
+        core.calls["KeepAlive"] += 1
+        session = None
+        task = asyncio.current_task()
+        core.keepalive_tasks.add(task)
+        try:
+            async for ping in request_iterator:
+                if session is None:
+                    core.check_serving()
+                    session = self._session(ping.session_id)
+                    session.keepalive_streams += 1
+                elif ping.session_id != session.id:
+                    raise invalid("one KeepAlive stream holds one session: open another stream")
+                elif session.ended:
+                    raise RpcFailure(grpc.StatusCode.NOT_FOUND,
+                                     f"session {session.id:#x} ended (lease expired or detached): "
+                                     f"Attach again")
+                core.sessions.ping(session)
+                yield pb.KeepAliveReply(lease_s=core.config.lease_s)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            core.errors["KeepAlive"] += 1
+            code, message = status_of(exc)
+            await context.abort(code, message)
+        finally:
+            core.keepalive_tasks.discard(task)
+            if session is not None:
+                session.keepalive_streams -= 1
+                if not session.keepalive_streams and not session.ended and core.state != "stopping":
+                    core.sessions.end(session, "keepalive stream ended")
+
+    @rpc
+    async def Detach(self, request, context):
+        session = self._session(request.session_id)
+        return pb.DetachReply(released_sequences=self.core.sessions.end(session, "detached"))
+
+    @rpc
+    async def Reclaim(self, request, context):
+        session = self._session(request.session_id)
+        if not request.previous_session_id:
+            raise invalid("previous_session_id is 0: send the session id of before the restart")
+        if request.previous_session_id == session.id:
+            raise invalid("previous_session_id is this session: send the one of before the restart")
+        reply = pb.ReclaimReply()
+        for item in session.pool.reclaim(request.previous_session_id):
+            out = reply.sequences.add(previous_seq_id=item.old_id, num_tokens=item.num_tokens)
+            if item.seq is not None:
+                seq = item.seq
+                session.track(seq.id, len(seq.block_table))
+                out.seq_id = seq.id
+                out.block_table = table_bytes(seq.block_table)
+                out.tokens = bytes(seq.tokens)
+        return reply
+
+    # -- sequences -----------------------------------------------------------------------------
+
+    @rpc
+    async def Lookup(self, request, context):
+        session = self._session(request.session_id)
+        r = session.pool.lookup(tokens_of(request.tokens))
+        return pb.LookupReply(cached_tokens=r.cached_tokens, device_tokens=r.device_tokens,
+                              host_tokens=r.host_tokens, disk_tokens=r.disk_tokens,
+                              unverified_tokens=r.unverified_tokens)
+
+    @rpc
+    async def Open(self, request, context):
+        session = self._session(request.session_id)
+        tokens = tokens_of(request.tokens)
+        bs = session.layout.block_size
+        self.core.sessions.check_room(session, 1, -(-(len(tokens) >> 2) // bs))
+        seq = session.pool.open(tokens, session_id=session.id)
+        session.track(seq.id, len(seq.block_table))
+        return pb.OpenReply(sequence=seq_reply(seq))
+
+    @rpc
+    async def Extend(self, request, context):
+        session = self._session(request.session_id)
+        session.owns(request.seq_id)
+        if len(request.tokens) % 4:
+            raise invalid(f"tokens must be packed int32 bytes, got {len(request.tokens)} bytes")
+        pool = session.pool
+        seq = pool.sequence(request.seq_id)
+        bs = session.layout.block_size
+        grow = -(-(seq.num_tokens + len(request.tokens) // 4) // bs) - len(seq.block_table)
+        self.core.sessions.check_room(session, 0, max(grow, 0) + 1)
+        if request.tokens:
+            pool.extend(request.seq_id, as_token_bytes(request.tokens))
+        session.track(seq.id, len(seq.block_table))
+        return pb.ExtendReply(sequence=seq_reply(seq))
+
+    @rpc
+    async def Commit(self, request, context):
+        session = self._session(request.session_id)
+        session.owns(request.seq_id)
+        ticket = session.pool.commit(request.seq_id, request.durability or "crash")
+        seq = session.pool.sequence(request.seq_id)
+        reply = pb.CommitReply(sequence=seq_reply(seq))  # the table as of the commit
+        reply.indexed_blocks = await asyncio.wrap_future(ticket) or 0
+        return reply
+
+    @rpc
+    async def Fork(self, request, context):
+        session = self._session(request.session_id)
+        session.owns(request.seq_id)
+        n = request.num_children
+        if not 1 <= n <= 1024:
+            raise invalid(f"num_children must be 1..1024, got {n}")
+        parent = session.pool.sequence(request.seq_id)
+        self.core.sessions.check_room(session, n, n * len(parent.block_table))
+        children = session.pool.fork(request.seq_id, n)
+        session.track(parent.id, len(parent.block_table))
+        for child in children:
+            session.track(child.id, len(child.block_table))
+        return pb.ForkReply(children=[seq_reply(c) for c in children])
+
+    @rpc
+    async def Release(self, request, context):
+        session = self._session(request.session_id)
+        session.owns(request.seq_id)
+        durability = request.durability or "crash"
+        ticket = session.pool.release(request.seq_id, commit=request.commit, durability=durability)
+        session.untrack(request.seq_id)
+        await asyncio.wrap_future(ticket)
+        return pb.ReleaseReply()
+
+    # -- KV data path (kv_rpc) -----------------------------------------------------------------
+
+    async def WriteKV(self, request_iterator, context):
+        core = self.core
+        core.calls["WriteKV"] += 1
+        try:
+            core.check_serving()
+            stream = request_iterator.__aiter__()
+            try:
+                first = await stream.__anext__()
+            except StopAsyncIteration:
+                raise invalid("WriteKV got no chunk: send at least one") from None
+            session = self._session(first.session_id)
+            return await _kv().write_kv(session, _same_session(first, stream, session.id),
+                                        core.config.max_message_bytes)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            core.errors["WriteKV"] += 1
+            await context.abort(*status_of(exc))
+
+    async def ReadKV(self, request, context):
+        core = self.core
+        core.calls["ReadKV"] += 1
+        try:
+            core.check_serving()
+            session = self._session(request.session_id)
+            for reply in _kv().read_kv(session, request, core.config.max_message_bytes):
+                yield reply
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            core.errors["ReadKV"] += 1
+            await context.abort(*status_of(exc))
+
+    @rpc
+    async def Attend(self, request, context):
+        session = self._session(request.session_id)
+        return _kv().attend(session, request, self.core.config.max_message_bytes)
+
+    # -- the daemon ----------------------------------------------------------------------------
+
+    @rpc
+    async def Stats(self, request, context):
+        if request.session_id:
+            self._session(request.session_id)
+        tenant_pools = {}
+        values = {}
+        for (tenant, layout), dc in self.core.engine.pool_items():
+            if tenant != self.tenant:
+                continue  # one tenant never counts another's blocks
+            stats = dc.cache.stats.as_dict()
+            blocks = list(dc.cache.tree.num_blocks_in)
+            tenant_pools[layout.model_id] = {"cache": stats, "blocks": blocks}
+            for key in ("requested_tokens", "hit_tokens", "opens", "evicted_blocks",
+                        "cow_blocks", "committed_blocks", "corrupt_blocks"):
+                name = f"prefixd_{key}_total"
+                values[name] = values.get(name, 0.0) + stats[key]
+            for tier, n in zip(("device", "host", "disk"), blocks):
+                name = f'prefixd_blocks{{tier="{tier}"}}'
+                values[name] = values.get(name, 0.0) + n
+        values["prefixd_sessions"] = float(sum(1 for s in self.core.sessions
+                                               if s.tenant == self.tenant))
+        for method, n in self.core.calls.items():
+            values[f'prefixd_rpc_calls_total{{method="{method}"}}'] = float(n)
+        for method, n in self.core.errors.items():
+            values[f'prefixd_rpc_errors_total{{method="{method}"}}'] = float(n)
+        doc = {"tenant": self.tenant, "pools": tenant_pools, "sessions": values["prefixd_sessions"]}
+        return pb.StatsReply(values=values, json=json.dumps(doc, sort_keys=True))
+
+    async def SubscribeEvents(self, request, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            "KV events for routers arrive with the cluster tier; not served yet")
+        yield  # pragma: no cover - makes this an async generator
+
+    @rpc
+    async def Status(self, request, context):
+        core = self.core
+        reply = pb.StatusReply(state=core.state, pid=os.getpid(), version=prefixd.__version__,
+                               uptime_s=time.monotonic() - core.started, tenant=self.tenant,
+                               sessions=sum(1 for s in core.sessions if s.tenant == self.tenant))
+        progress = getattr(core, "progress", None)
+        if progress is not None:
+            reply.records_replayed, reply.records_total = progress
+        if core.state != RECOVERING and core.engine is not None:
+            for info in core.engine.pools():
+                if info.tenant == self.tenant:
+                    reply.pools.add(tenant=info.tenant, model_id=info.layout.model_id,
+                                    blocks=list(info.num_blocks), capacity=list(info.capacity))
+        return reply
+
+    @rpc
+    async def Checkpoint(self, request, context):
+        # NOTE: runs on the loop (the engine is single-threaded): it holds every other call
+        # for the checkpoint's duration, like the periodic one the engine triggers itself.
+        lsns = self.core.engine.checkpoint()
+        log.info("checkpoint on request pools=%d", len(lsns))
+        return pb.CheckpointReply(pools=len(lsns))

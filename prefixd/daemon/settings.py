@@ -1,0 +1,211 @@
+"""``DaemonConfig``: the ``[daemon]`` table of the config file, and where things go by default.
+
+One TOML file configures the whole daemon: ``[engine]`` is ``EngineConfig`` (pools, sync,
+policies, tenants), ``[daemon]`` is this::
+
+    [daemon]
+    socket = "/run/prefixd/prefixd.sock"  # the first tenant's socket; others sit beside it
+    lease_s = 10.0                        # a session with no KeepAlive ping this long ends
+    max_message_bytes = 67108864          # per gRPC message, both ways
+    max_concurrent_calls = 1024           # per socket; past it: RESOURCE_EXHAUSTED
+    log_level = "info"
+    shutdown_grace_s = 10.0               # SIGTERM: in-flight calls get this long
+
+    [daemon.limits]                       # RESOURCE_EXHAUSTED past them
+    sequences_per_session = 4096
+    sequences_per_tenant = 16384
+    blocks_per_session = 4194304
+    blocks_per_tenant = 16777216
+
+    [[daemon.sockets]]                    # optional, per tenant: path, owner, group, mode
+    tenant = "default"
+    path = "/run/prefixd/prefixd.sock"
+    owner = ""                            # user name or uid; "" keeps the daemon's
+    group = ""
+    mode = "0660"
+
+Every tenant of ``[[engine.tenants]]`` gets a socket: the one listed here, or
+``<socket dir>/<tenant>.sock`` (the first tenant: ``socket`` itself). Defaults need no file:
+state in ``$XDG_STATE_HOME/prefixd`` (or ``~/.local/state/prefixd``), socket
+``$XDG_RUNTIME_DIR/prefixd/prefixd.sock`` (or ``<state dir>/prefixd.sock``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from typing import Any
+
+from prefixd.daemon.sessions import Limits
+from prefixd.engine.config import EngineConfig
+from prefixd.engine.errors import ConfigError
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+SOCKET_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
+
+
+@dataclasses.dataclass(frozen=True)
+class TenantSocket:
+    """Where one tenant's socket lives and who may open it."""
+
+    tenant: str
+    path: str
+    owner: str = ""
+    group: str = ""
+    mode: int = 0o660
+
+    def __post_init__(self) -> None:
+        if not os.path.isabs(self.path):
+            raise ConfigError(f"daemon.sockets: path {self.path!r} of tenant {self.tenant!r} must "
+                              f"be absolute")
+        if len(os.fsencode(self.path)) > SOCKET_MAX:
+            raise ConfigError(f"socket path {self.path!r} is {len(os.fsencode(self.path))} bytes; "
+                              f"a Unix socket path holds at most {SOCKET_MAX}: choose a shorter one")
+        if not isinstance(self.mode, int) or not 0 <= self.mode <= 0o777:
+            raise ConfigError(f"daemon.sockets: mode of tenant {self.tenant!r} must be an octal "
+                              f"string like \"0660\", got {self.mode!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DaemonConfig:
+    """Every daemon setting and its default (see the module docstring for the TOML form)."""
+
+    socket: str | None = None  # None: the default place (``default_socket``)
+    lease_s: float = 10.0
+    max_message_bytes: int = 64 << 20
+    max_concurrent_calls: int = 1024
+    log_level: str = "info"
+    shutdown_grace_s: float = 10.0
+    limits: Limits = Limits()
+    sockets: tuple[TenantSocket, ...] = ()
+
+    def __post_init__(self) -> None:
+        for key in ("lease_s", "shutdown_grace_s"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"daemon.{key} must be a number of seconds > 0, got {value!r}")
+        for key in ("max_message_bytes", "max_concurrent_calls"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"daemon.{key} must be an integer >= 1, got {value!r}")
+        if self.max_message_bytes < 1 << 16:
+            raise ConfigError(f"daemon.max_message_bytes must be at least 65536, got "
+                              f"{self.max_message_bytes}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"daemon.log_level must be one of {', '.join(LOG_LEVELS)}, got "
+                              f"{self.log_level!r}")
+        for key in ("sequences_per_session", "sequences_per_tenant", "blocks_per_session",
+                    "blocks_per_tenant"):
+            value = getattr(self.limits, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"daemon.limits.{key} must be an integer >= 1, got {value!r}")
+
+    def socket_paths(self, engine: EngineConfig, state_dir: str) -> list[TenantSocket]:
+        """One socket per configured tenant, in tenant order.
+
+        Raises ConfigError: a socket names an unknown tenant, or two tenants share a path.
+        """
+        first = self.socket or default_socket(state_dir)
+        explicit = {s.tenant: s for s in self.sockets}
+        names = [t.name for t in engine.tenants]
+        for tenant in explicit:
+            if tenant not in names:
+                raise ConfigError(f"[[daemon.sockets]] names tenant {tenant!r}, which is not in "
+                                  f"[[engine.tenants]] ({', '.join(names)})")
+        out = []
+        for i, name in enumerate(names):
+            if name in explicit:
+                out.append(explicit[name])
+            else:
+                path = first if i == 0 else os.path.join(os.path.dirname(first), f"{name}.sock")
+                out.append(TenantSocket(name, path))
+        paths = [s.path for s in out]
+        if len(set(paths)) != len(paths):
+            raise ConfigError(f"two tenants share a socket path in {paths}: give each its own")
+        return out
+
+    @classmethod
+    def from_mapping(cls, table: Mapping[str, Any]) -> "DaemonConfig":
+        """From a ``[daemon]`` table; unknown keys are refused, naming the known ones."""
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"[daemon] must be a table, got {table!r}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        _refuse_unknown("daemon", table, known)
+        kwargs = {k: v for k, v in table.items() if k not in ("limits", "sockets")}
+        if "limits" in table:
+            limits = table["limits"]
+            if not isinstance(limits, Mapping):
+                raise ConfigError(f"[daemon.limits] must be a table, got {limits!r}")
+            _refuse_unknown("daemon.limits", limits, [f.name for f in dataclasses.fields(Limits)])
+            kwargs["limits"] = Limits(**limits)
+        if "sockets" in table:
+            entries = table["sockets"]
+            if not isinstance(entries, list):
+                raise ConfigError("daemon.sockets must be an array of tables: [[daemon.sockets]]")
+            sockets = []
+            for i, entry in enumerate(entries):
+                if not isinstance(entry, Mapping) or "tenant" not in entry or "path" not in entry:
+                    raise ConfigError(f"[[daemon.sockets]] number {i + 1} needs tenant = \"...\" "
+                                      f"and path = \"...\"")
+                _refuse_unknown(f"daemon.sockets[{i}]", entry,
+                                ["tenant", "path", "owner", "group", "mode"])
+                entry = dict(entry)
+                if "mode" in entry:
+                    entry["mode"] = _octal(entry["mode"], entry["tenant"])
+                sockets.append(TenantSocket(**entry))
+            kwargs["sockets"] = tuple(sockets)
+        try:
+            return cls(**kwargs)
+        except TypeError as exc:
+            raise ConfigError(f"[daemon]: {exc}") from None
+
+
+def load(path: str | None) -> tuple[EngineConfig, DaemonConfig]:
+    """The engine and daemon configs of a TOML file (both defaults without one).
+
+    Raises ConfigError: unreadable file, bad TOML, an unknown table or key, a bad value.
+    """
+    if path is None:
+        return EngineConfig(), DaemonConfig()
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config {path} is not valid TOML: {exc}") from exc
+    _refuse_unknown("the config file's top level", doc, ["engine", "daemon"])
+    return EngineConfig.from_mapping(doc.get("engine", {})), DaemonConfig.from_mapping(
+        doc.get("daemon", {}))
+
+
+def default_state_dir() -> str:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "prefixd")
+
+
+def default_socket(state_dir: str) -> str:
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return os.path.join(runtime, "prefixd", "prefixd.sock")
+    return os.path.join(state_dir, "prefixd.sock")
+
+
+def _octal(value, tenant: str) -> int:
+    if isinstance(value, str):
+        try:
+            return int(value, 8)
+        except ValueError:
+            pass
+    raise ConfigError(f"daemon.sockets: mode of tenant {tenant!r} must be an octal string like "
+                      f"\"0660\", got {value!r}")
+
+
+def _refuse_unknown(where: str, table: Mapping[str, Any], known) -> None:
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown key{'s' if len(unknown) > 1 else ''} "
+                          f"{', '.join(repr(k) for k in unknown)} in [{where}]: the known keys "
+                          f"are {', '.join(known)}")
