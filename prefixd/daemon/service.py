@@ -349,8 +349,14 @@ class PrefixCacheService(pb_grpc.PrefixCacheServicer):
         if core.state != RECOVERING and core.engine is not None:
             for info in core.engine.pools():
                 if info.tenant == self.tenant:
-                    reply.pools.add(tenant=info.tenant, model_id=info.layout.model_id,
-                                    blocks=list(info.num_blocks), capacity=list(info.capacity))
+                    lay = info.layout
+                    reply.pools.add(tenant=info.tenant, model_id=lay.model_id,
+                                    blocks=list(info.num_blocks), capacity=list(info.capacity),
+                                    layout=pb.KVLayout(model_id=lay.model_id,
+                                                       num_layers=lay.num_layers,
+                                                       num_kv_heads=lay.num_kv_heads,
+                                                       head_dim=lay.head_dim, dtype=lay.dtype,
+                                                       block_size=lay.block_size))
         return reply
 
     @rpc
