@@ -15,6 +15,7 @@ from prefixd.daemon.settings import DaemonConfig
 from prefixd.daemon.sessions import SessionTable
 from prefixd.daemon.status import unavailable
 from prefixd.engine.config import EngineConfig
+from prefixd.engine.progress import RecoveryProgress
 
 RECOVERING, SERVING, STOPPING = "recovering", "serving", "stopping"
 
@@ -38,6 +39,7 @@ class DaemonCore:
         self.calls: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.in_flight = 0
+        self.progress = RecoveryProgress()  # records replayed / to replay while recovering
         self.keepalive_tasks: set = set()  # KeepAlive handlers' tasks, cancelled at a stop
 
     def check_serving(self) -> None:

@@ -84,7 +84,8 @@ class Daemon:
             # 3: the engine recovers off the loop; Status answers meanwhile
             engine_lock, lock = lock, None  # the engine owns (and releases) it from here
             self.core.engine = await loop.run_in_executor(
-                None, lambda: Engine(self.state_dir, self.core.engine_config, lock=engine_lock))
+                None, lambda: Engine(self.state_dir, self.core.engine_config, lock=engine_lock,
+                                     progress=self.core.progress))
         except BaseException:
             await self._close_servers(0)
             if lock is not None:

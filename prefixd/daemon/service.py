@@ -343,9 +343,7 @@ class PrefixCacheService(pb_grpc.PrefixCacheServicer):
         reply = pb.StatusReply(state=core.state, pid=os.getpid(), version=prefixd.__version__,
                                uptime_s=time.monotonic() - core.started, tenant=self.tenant,
                                sessions=sum(1 for s in core.sessions if s.tenant == self.tenant))
-        progress = getattr(core, "progress", None)
-        if progress is not None:
-            reply.records_replayed, reply.records_total = progress
+        reply.records_replayed, reply.records_total = core.progress.as_tuple()
         if core.state != RECOVERING and core.engine is not None:
             for info in core.engine.pools():
                 if info.tenant == self.tenant:

@@ -79,6 +79,7 @@ class DurableCache:
         forget_missing_tier: a disk pool file that is gone while the index names blocks in it
             is refused (``TierLostError``); True drops those blocks at recovery instead and
             counts them in ``recovery["forgotten_blocks"]``.
+        progress: a ``prefixd.engine.progress.RecoveryProgress`` that counts replayed records.
 
     NOTE (checkpoint trigger): see ``prefixd.engine.records.replay_blocks``.
 
@@ -95,7 +96,7 @@ class DurableCache:
                  checkpoint_records: int = 100_000, checkpoint_blocks: int = CHECKPOINT_BLOCKS,
                  spill_blocks: int = 256,
                  use_cuda: bool | None = False, sync_interval_ms: float = 1000.0,
-                 forget_missing_tier: bool = False) -> None:
+                 forget_missing_tier: bool = False, progress=None) -> None:
         if verify not in ("lazy", "eager"):
             raise ValueError(f"verify must be 'lazy' or 'eager', got {verify!r}")
         sizes = tuple(num_blocks)
@@ -112,6 +113,7 @@ class DurableCache:
         self._tail_blocks = 0  # ``replay_blocks`` of the records since the last checkpoint
         self.spill_blocks = spill_blocks
         self.forget_missing_tier = forget_missing_tier
+        self.progress = progress  # a ``RecoveryProgress`` to count replayed records into, or None
         os.makedirs(state_dir, exist_ok=True)
         phases = {}
         self.wal = Wal(state_dir, layouts=layout.to_bytes(), sync=sync, interval_ms=sync_interval_ms)

@@ -26,6 +26,7 @@ from prefixd.api.layout import KVLayout
 from prefixd.engine.config import EngineConfig, Tenant
 from prefixd.engine.durable import DurableCache
 from prefixd.engine.errors import EngineError, PoolDirError, UnknownTenantError
+from prefixd.engine.progress import RecoveryProgress
 from prefixd.wal.lock import StateDirLock
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ class Engine:
         state_dir: created if missing; holds the engine lock and ``pools/``.
         lock: the state directory's lock, already taken by the caller (the daemon takes it
             before it binds a socket); the engine takes it itself when None.
+        progress: counts the log records replayed while the pools recover (read by the
+            daemon's Status from another thread).
         config: every setting (default: ``EngineConfig()``). Each pool gets the configured
             pool sizes in full (``config.blocks_for(layout)``): with P pools the engine may use
             P times the configured memory and disk; a budget shared across pools is future work.
@@ -98,11 +101,13 @@ class Engine:
     """
 
     def __init__(self, state_dir: str, config: EngineConfig | None = None, *,
-                 lock: StateDirLock | None = None) -> None:
+                 lock: StateDirLock | None = None,
+                 progress: RecoveryProgress | None = None) -> None:
         self.config = config if config is not None else EngineConfig()
         if not isinstance(self.config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(self.config).__name__}")
         self.state_dir = os.path.abspath(state_dir)
+        self.progress = progress
         # before anything else; a daemon takes it itself before binding its sockets and hands
         # it over (the engine releases it on close either way)
         self._lock: StateDirLock | None = lock if lock is not None else StateDirLock(self.state_dir)
@@ -233,7 +238,7 @@ class Engine:
         sizes = self.config.blocks_for(layout).as_tuple()
         os.makedirs(self.config.shm_dir, exist_ok=True)
         return DurableCache(self.pool_path(tenant.name, layout), layout, sizes,
-                            **cache_kwargs(self.config, tenant))
+                            progress=self.progress, **cache_kwargs(self.config, tenant))
 
     def _found(self) -> list[tuple[Tenant, KVLayout]]:
         """The pools on disk whose tenant is configured, each checked against its manifest."""

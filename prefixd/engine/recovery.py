@@ -105,7 +105,11 @@ def _recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify
         for seq in seqs.values():  # checkpointed sequences name their node by hash
             if isinstance(seq[1], bytes):
                 seq[1] = replayer.ending_at(seq[1])
-        replayer.apply_batches(wal.replay_batches(lsn))
+        batches = wal.replay_batches(lsn)
+        if self.progress is not None:
+            self.progress.begin(wal.durable_lsn - lsn)
+            batches = self.progress.counting(batches)
+        replayer.apply_batches(batches)
     finally:
         # its read transaction must end before anything can close the Wal; stopped, not joined:
         # replay has read what it would have, and an error must not wait on a helper

@@ -129,7 +129,9 @@ def test_refusals_are_statuses_that_change_nothing(stub, sid):
     assert code_of(stub.Reclaim, pb.ReclaimRequest(session_id=sid)) == C.INVALID_ARGUMENT
     stub.Release(pb.ReleaseRequest(session_id=sid, seq_id=seq.seq_id))
     status1 = stub.Status(pb.StatusRequest())
-    assert [list(p.blocks) for p in status1.pools] == [list(p.blocks) for p in status0.pools]
+    # device-tier index only: earlier tests' blocks may still be spilling to disk meanwhile
+    assert [p.blocks[0] for p in status1.pools] == [p.blocks[0] for p in status0.pools]
+    assert status1.sessions == status0.sessions
 
 
 def test_another_sessions_sequence_is_not_found(stub, sid):
