@@ -12,6 +12,11 @@ Needs only torch and triton (and this tree). Steps, each bounded so the whole ru
    contiguous (``enable_gqa``), and the floor = K/V bytes read / copy bandwidth.
 4. Extend: a chunk of new tokens on a cached prefix vs SDPA over contiguous K/V with the
    equivalent mask.
+5. CUDA IPC: a durable cache with its device pool on the GPU; its Attach descriptor
+   (``prefixd.daemon.kv_rpc.pool_descriptors``) carries torch's IPC handle, and a second process
+   maps the pool through it (``prefixd.api.tensors.tensor_from_cuda_ipc``), checks shape,
+   strides, dtype and every block's bytes, and writes a block the first process then sees.
+   ``--ipc-only`` runs just this case and prints its JSON.
 
 Prints a table and writes one JSON object to ``--out`` (default docs/bench/gpu_check.json).
 Without CUDA it says so and exits 0 without writing anything.
@@ -21,9 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -156,6 +163,83 @@ def bench_extend(bandwidth: float, dtype: torch.dtype, device: torch.device) -> 
     return rows
 
 
+IPC_LAYOUT = dict(model_id="gpu-check-ipc", num_layers=2, num_kv_heads=2, head_dim=64,
+                  dtype="float16", block_size=16)
+IPC_MARK = -7.0  # what the second process writes into block 1
+
+
+def check_cuda_ipc(timeout_s: int = 120) -> dict:
+    """Map a CUDA device pool from a second process through its descriptor's IPC handle.
+
+    Block ``b`` of the pool holds the value ``b`` everywhere; the child checks that, writes
+    ``IPC_MARK`` into block 1, and this process checks it sees the write. Returns
+    ``{"ok": ..., ...}`` (``{"skipped": ...}`` without CUDA); never raises.
+    """
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device visible"}
+    from prefixd.api.layout import KVLayout
+    from prefixd.api.tiers import Tier
+    from prefixd.daemon.kv_rpc import pool_descriptors
+    from prefixd.engine import DurableCache
+
+    t0 = time.perf_counter()
+    result: dict = {"ok": False}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            os.makedirs(os.path.join(tmp, "shm"))
+            dc = DurableCache(os.path.join(tmp, "state"), KVLayout(**IPC_LAYOUT), (64, 64, 0),
+                              shm_dir=os.path.join(tmp, "shm"), use_cuda=True)
+            try:
+                pool = dc.store.pool(Tier.DEVICE).tensor
+                n = pool.shape[0]
+                marks = torch.arange(n, dtype=pool.dtype, device=pool.device)
+                pool.copy_(marks.view(n, 1, 1, 1, 1, 1).expand_as(pool))
+                torch.cuda.synchronize()
+                (desc,) = [d for d in pool_descriptors(dc) if d.tier == "device"]
+                result["handle_bytes"] = len(desc.cuda_ipc)
+                proc = subprocess.run([sys.executable, __file__, "--ipc-child"], cwd=REPO,
+                                      input=desc.SerializeToString(), capture_output=True,
+                                      timeout=timeout_s)
+                torch.cuda.synchronize()
+                seen = bool((pool[1] == IPC_MARK).all().item())
+                kept = bool((pool[2] == 2).all().item())
+                result.update(child=proc.stdout.decode().strip()[-400:], child_rc=proc.returncode,
+                              parent_sees_child_write=seen, other_blocks_kept=kept,
+                              ok=proc.returncode == 0 and seen and kept)
+                if proc.returncode:
+                    result["child_stderr"] = proc.stderr.decode().strip().splitlines()[-10:]
+            finally:
+                dc.close()
+    except Exception as exc:  # noqa: BLE001 - a check script reports, it does not crash
+        result["error"] = repr(exc)
+    result["seconds"] = round(time.perf_counter() - t0, 2)
+    return result
+
+
+def _ipc_child() -> int:
+    """The second process of ``check_cuda_ipc``: a ``PoolDescriptor`` on stdin."""
+    from prefixd.api import prefixd_pb2 as pb
+    from prefixd.api.tensors import dtype_of, tensor_from_cuda_ipc
+
+    desc = pb.PoolDescriptor.FromString(sys.stdin.buffer.read())
+    pool = tensor_from_cuda_ipc(desc.cuda_ipc)
+    n = pool.shape[0]
+    checks = {
+        "shape": list(pool.shape) == list(desc.shape),
+        "strides": list(pool.stride()) == list(desc.strides),
+        "dtype": pool.dtype == dtype_of(desc.dtype),
+        "device": pool.device.index == desc.cuda_device,
+        "reads": torch.equal(pool.view(n, -1).float().amin(dim=1).cpu(),
+                             torch.arange(n, dtype=torch.float32))
+                 and torch.equal(pool.view(n, -1).float().amax(dim=1).cpu(),
+                                 torch.arange(n, dtype=torch.float32)),
+    }
+    pool[1].fill_(IPC_MARK)
+    torch.cuda.synchronize()
+    print(json.dumps(checks))
+    return 0 if all(checks.values()) else 1
+
+
 def print_table(title: str, rows: list[dict]) -> None:
     if not rows:
         return
@@ -171,7 +255,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO / "docs" / "bench" / "gpu_check.json"))
     parser.add_argument("--skip-tests", action="store_true", help="timings only")
     parser.add_argument("--test-timeout", type=int, default=300, help="seconds for pytest")
+    parser.add_argument("--ipc-only", action="store_true", help="only the CUDA IPC case")
+    parser.add_argument("--ipc-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.ipc_child:
+        return _ipc_child()
+    if args.ipc_only:
+        ipc = check_cuda_ipc()
+        print(json.dumps({"bench": "gpu_check", "cuda_ipc": ipc}))
+        return 0 if ipc.get("ok") or "skipped" in ipc else 1
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device visible (torch.cuda.is_available() is False); "
               "nothing to check on this machine. Run it on a GPU host from the repo root.")
@@ -189,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table("decode (bf16)", result["decode"])
     result["extend"] = bench_extend(bandwidth, torch.bfloat16, device)
     print_table("extend (bf16)", result["extend"])
+    result["cuda_ipc"] = check_cuda_ipc()
+    print(f"\ncuda ipc: {result['cuda_ipc']}")
     key = [r for r in result["decode"] if (r["batch"], r["context"]) == (64, 4096)]
     if key:
         result["decode_b64_4k"] = key[0]
@@ -199,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out} in {result['seconds']} s")
-    return 0 if result["tests"].get("ok", True) else 1
+    return 0 if result["tests"].get("ok", True) and result["cuda_ipc"].get("ok") else 1
 
 
 if __name__ == "__main__":
