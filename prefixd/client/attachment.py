@@ -1,0 +1,292 @@
+"""The attachment under a ``Session``: channel, Attach / Detach, the lease, and recovery after a
+daemon restart (the semantics are in ``prefixd.client.session``'s docstring).
+
+NOTE: ``_call`` is the one place a call meets a lost session: it recovers (at most once per
+failure, under the lock), then retries an idempotent call or raises ``DaemonRestarted``. Every
+request is built inside the callable it is given, so a retry reads the new session id and the
+handles' new ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import grpc
+
+from prefixd.api import prefixd_pb2 as pb
+from prefixd.api import prefixd_pb2_grpc as pb_grpc
+from prefixd.api.layout import KVLayout
+from prefixd.client.errors import (DaemonRestarted, InvalidArgument, MappingError, NotFound, PrefixdError,
+                                   Unavailable, from_rpc_error)
+from prefixd.client.handles import Sequence
+from prefixd.client.keepalive import KeepAlive
+from prefixd.client.mapped import MappedPool, map_pool
+from prefixd.client.reconnect import Backoff, apply_reclaim, unknown_reclaimed
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+class Attachment:
+    """One client's attachment: session id, lease, pool mappings, live sequences, recovery.
+
+    ``Session`` (session.py) adds the API calls; this class owns the connection and its state.
+
+    Data structure:
+        ``id``/``epoch``/``tenant``/``lease_s``/``max_message_bytes``: from the last Attach.
+        ``_live``: id -> ``Sequence`` for every handle opened, forked or reclaimed and not yet
+        released (what a recovery updates). ``pool``: the mapped device pool, or None (rpcs).
+        ``_generation``: bumped by each recovery that re-attached; a failed call recovers only
+        if no one has since its call started.
+
+    Invariants: every handle in ``_live`` is neither released nor lost and is keyed by its
+    current id; at most one KeepAlive runs, and none after ``close()``.
+    """
+
+    def __init__(self, socket_path: str, layout: KVLayout, name: str, *, mapped: bool | None,
+                 lease_renew: float | None, reconnect: bool, backoff: Backoff | None,
+                 timeout_s: float | None) -> None:
+        if not isinstance(layout, KVLayout):
+            raise InvalidArgument(f"layout must be a prefixd.client.KVLayout, got {type(layout).__name__}")
+        self.socket_path = str(socket_path)
+        self.layout = layout
+        self.name = name
+        self._mapped = mapped
+        self._lease_renew = lease_renew
+        self._reconnect = reconnect
+        self._backoff = backoff or Backoff()
+        self._timeout = timeout_s
+        self._lock = threading.RLock()
+        self._live: dict[int, Sequence] = {}
+        self._generation = 0
+        self._last_reclaimed: list[Sequence] = []
+        self._closed = False
+        self._keepalive: KeepAlive | None = None
+        self.pool: MappedPool | None = None
+        self.id = 0
+        self.recoveries = 0
+        self._channel = self._stub = None
+        self._open_channel()
+        try:
+            # A socket that is there but refuses is a daemon starting or recovering: wait for it.
+            # No socket at all is no daemon: fail at once.
+            self._attach(retry=reconnect and os.path.exists(self.socket_path))
+        except BaseException:
+            self._channel.close()
+            raise
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> int:
+        """Detach: the daemon releases every sequence still held (uncommitted blocks freed).
+        Returns the sequences it released (0 if the daemon was gone). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return 0
+            self._closed = True  # before Detach: the stream it ends must not start a recovery
+            released = 0
+            try:
+                released = self._stub.Detach(pb.DetachRequest(session_id=self.id), timeout=5.0).released_sequences
+            except grpc.RpcError as exc:
+                log.info("detach failed (the session ends with its lease) session=%#x error=%s",
+                         self.id, from_rpc_error(exc))
+            # NOTE: the keep-alive stops after Detach, not before: the daemon ends a session
+            # whose stream ends, and Detach would then answer NOT_FOUND without its count.
+            self._stop_keepalive()
+            for seq in self._live.values():
+                seq.released = True
+            self._live.clear()
+            self.pool = None
+            self._channel.close()
+            return released
+
+    detach = close
+
+    @property
+    def mapped(self) -> bool:
+        """True when KV and attention go through the mapped pool."""
+        return self.pool is not None
+
+    def _open_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = grpc.insecure_channel("unix:" + self.socket_path, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.PrefixCacheStub(self._channel)
+
+    def _attach(self, *, retry: bool) -> None:
+        """Attach (with backoff while UNAVAILABLE when ``retry``), map the pools, start the lease."""
+        request = pb.AttachRequest(client_name=self.name, layout=pb.KVLayout(**_layout_fields(self.layout)))
+        waits = self._backoff.waits()
+        while True:
+            try:
+                reply = self._stub.Attach(request, timeout=self._timeout)
+                break
+            except grpc.RpcError as exc:
+                err = from_rpc_error(exc)
+            wait = next(waits, None) if retry and isinstance(err, Unavailable) and not self._closed else None
+            if wait is None:
+                raise err
+            log.debug("attach unavailable, retrying in %.3f s error=%s", wait, err)
+            time.sleep(wait)
+            self._open_channel()
+        self.id = reply.session_id
+        self.epoch = reply.epoch
+        self.tenant = reply.tenant
+        self.lease_s = reply.lease_s
+        self.max_message_bytes = reply.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
+        self.pool = self._map(reply.pools)
+        self._keepalive = KeepAlive(self._stub, self.id, self.lease_s, self._on_lease_lost,
+                                    renew_s=self._lease_renew).start()
+        log.info("attached session=%#x epoch=%d tenant=%s mapped=%s", self.id, self.epoch, self.tenant,
+                 self.pool is not None)
+
+    def _map(self, pools) -> MappedPool | None:
+        if self._mapped is False:
+            return None
+        device = [d for d in pools if d.tier in ("device", "")]
+        try:
+            if not device:
+                raise MappingError("the daemon sent no device pool descriptor")
+            return map_pool(device[0], self.layout)
+        except MappingError as exc:
+            if self._mapped:
+                raise
+            log.info("pool not mapped, KV goes over the rpcs: %s", exc)
+            return None
+
+    def _stop_keepalive(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.stop()
+            self._keepalive = None
+
+    # -- recovery ----------------------------------------------------------------------------
+
+    def _on_lease_lost(self, error: PrefixdError) -> None:
+        """KeepAlive thread: the stream broke. Recover now (reclaim has a grace period)."""
+        if not self._reconnect or self._closed:
+            return
+        gen = self._generation
+        threading.Thread(target=self._recover_quietly, args=(gen,), name="prefixd-reconnect", daemon=True).start()
+
+    def _recover_quietly(self, gen: int) -> None:
+        try:
+            self._recover(gen)
+        except PrefixdError as exc:
+            log.warning("background reconnect failed (the next call tries again) error=%s", exc)
+
+    def _recover(self, gen: int) -> list[Sequence] | None:
+        """Re-attach and reclaim unless the old session is still alive or someone already did.
+
+        Returns the live handles after a re-attach (updated in place), None if the session
+        was alive. Raises Unavailable when the daemon did not come back in time.
+        """
+        with self._lock:
+            if self._closed:
+                raise NotFound("the session is closed; connect again")
+            if self._generation != gen:
+                return list(self._last_reclaimed)
+            if self._session_alive():
+                if self._keepalive is None or not self._keepalive.alive():
+                    self._stop_keepalive()
+                    self._keepalive = KeepAlive(self._stub, self.id, self.lease_s, self._on_lease_lost,
+                                                renew_s=self._lease_renew).start()
+                return None
+            self._stop_keepalive()
+            previous = self.id
+            self._attach(retry=True)
+            try:
+                reply = self._stub.Reclaim(pb.ReclaimRequest(session_id=self.id, previous_session_id=previous),
+                                           timeout=self._timeout)
+            except grpc.RpcError as exc:
+                log.warning("reclaim failed, the session's sequences are lost previous=%#x error=%s",
+                            previous, from_rpc_error(exc))
+                reply = pb.ReclaimReply()
+            handles = apply_reclaim(self._live, reply, self.layout.block_size)
+            for seq_id in unknown_reclaimed(self._live, reply):
+                self._release_quietly(seq_id)
+            self._last_reclaimed = handles
+            self._generation += 1
+            self.recoveries += 1
+            log.warning("reconnected session=%#x previous=%#x reclaimed=%d lost=%d", self.id, previous,
+                        sum(s.reclaimed for s in handles), sum(s.lost for s in handles))
+            return handles
+
+    def _session_alive(self) -> bool:
+        """Probe the current session with Stats (backoff while UNAVAILABLE)."""
+        waits = self._backoff.waits()
+        while True:
+            try:
+                self._stub.Stats(pb.StatsRequest(session_id=self.id), timeout=self._timeout)
+                return True
+            except grpc.RpcError as exc:
+                err = from_rpc_error(exc)
+            if not isinstance(err, Unavailable):
+                return False
+            wait = next(waits, None)
+            if wait is None:
+                raise Unavailable(f"the daemon on {self.socket_path} did not come back within "
+                                  f"{self._backoff.total_s} s: {err.message}")
+            time.sleep(wait)
+            self._open_channel()
+
+    def _release_quietly(self, seq_id: int) -> None:
+        try:
+            self._stub.Release(pb.ReleaseRequest(session_id=self.id, seq_id=seq_id), timeout=self._timeout)
+        except grpc.RpcError as exc:
+            log.info("release of an unknown reclaimed sequence failed seq=%d error=%s", seq_id, from_rpc_error(exc))
+
+    def _call(self, fn, *, idempotent: bool, what: str):
+        """Run ``fn()`` (which reads ``self._stub``/``self.id`` and the handles' ids when called);
+        on a lost session recover, then retry (idempotent) or raise DaemonRestarted."""
+        if self._closed:
+            raise NotFound("the session is closed; connect again")
+        gen = self._generation
+        try:
+            return fn()
+        except grpc.RpcError as exc:
+            err = from_rpc_error(exc)
+        if not self._reconnect or not isinstance(err, (Unavailable, NotFound)):
+            raise err
+        handles = self._recover(gen)
+        if handles is None:  # the session was alive: the error was the call's own
+            raise err
+        if idempotent:
+            try:
+                return fn()
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc) from None
+        for seq in handles:  # told now: the next call naming them proceeds
+            seq.restarted = False
+        raise DaemonRestarted(f"the daemon restarted during {what}; the session re-attached and reclaimed "
+                              f"its sequences (see each one's num_tokens / lost): redo the {what}", handles)
+
+    def check_invariants(self) -> None:
+        for seq_id, seq in self._live.items():
+            assert seq.id == seq_id and not seq.released and not seq.lost, seq
+            seq.check_invariants()
+        if self._closed:
+            assert self._keepalive is None and not self._live
+        if self._keepalive is not None:
+            self._keepalive.check_invariants()
+
+
+def _layout_fields(layout: KVLayout) -> dict:
+    return {"model_id": layout.model_id, "num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads,
+            "head_dim": layout.head_dim, "dtype": layout.dtype, "block_size": layout.block_size}

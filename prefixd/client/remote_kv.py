@@ -1,0 +1,98 @@
+"""The KV path over the socket, for clients that cannot map the pools: WriteKV, ReadKV, Attend.
+
+``WriteKV`` is client-streamed: the token range goes in chunks of whole blocks (when a block
+fits) that each stay under the daemon's message limit. ``ReadKV`` is server-streamed: the
+daemon chunks, the client places each chunk at its ``start`` in one output tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefixd.api import prefixd_pb2 as pb
+from prefixd.api.tensors import dtype_name, from_kv_chunk, from_tensor_msg, tensor_bytes, to_tensor_msg
+from prefixd.client.errors import DataLoss, InvalidArgument
+
+HEADROOM_BYTES = 4096  # the message's fields other than the KV bytes
+
+
+def chunk_tokens(token_bytes: int, block_size: int, max_message_bytes: int) -> int:
+    """Tokens per WriteKV chunk: as many whole blocks as fit under the limit (at least one token)."""
+    fit = max(1, (max_message_bytes - HEADROOM_BYTES) // max(1, token_bytes))
+    return fit - fit % block_size if fit >= block_size else fit
+
+
+def write_kv(stub, session_id: int, seq_id: int, start: int, kv: torch.Tensor, block_size: int,
+             max_message_bytes: int, timeout: float | None) -> int:
+    """Stream ``kv`` (``[num_layers, 2, n, num_kv_heads, head_dim]``) as tokens ``start ..``;
+    returns the tokens the daemon wrote."""
+    n = kv.shape[2]
+    token_bytes = kv[:, :, :1].numel() * kv.element_size()
+    step = chunk_tokens(token_bytes, block_size, max_message_bytes)
+    dtype = dtype_name(kv.dtype)
+    kv = kv.detach().cpu()
+
+    def chunks():
+        # The first chunk ends on a block boundary so later chunks cover whole blocks.
+        a = start
+        end = start + n
+        first = min(end, a + step - (a % block_size if step >= block_size else 0))
+        bounds = [a, first] if first > a else [a]
+        while bounds[-1] < end:
+            bounds.append(min(end, bounds[-1] + step))
+        for lo, hi in zip(bounds, bounds[1:]):
+            piece = kv[:, :, lo - start:hi - start]
+            yield pb.WriteKVRequest(session_id=session_id, chunk=pb.KVChunk(
+                seq_id=seq_id, start=lo, num_tokens=hi - lo, shape=list(piece.shape), dtype=dtype,
+                data=tensor_bytes(piece)))
+
+    reply = stub.WriteKV(chunks(), timeout=timeout)
+    return reply.written_tokens
+
+
+def read_kv(stub, session_id: int, seq_id: int, start: int, n: int, layout,
+            timeout: float | None) -> torch.Tensor:
+    """The KV of tokens ``start .. start + n``, assembled from the daemon's chunks.
+
+    Raises:
+        DataLoss: the stream covered another range than the one asked for.
+    """
+    out = torch.empty((layout.num_layers, 2, n, layout.num_kv_heads, layout.head_dim),
+                      dtype=layout.torch_dtype())
+    got = 0
+    request = pb.ReadKVRequest(session_id=session_id, seq_id=seq_id, start=start, num_tokens=n)
+    for reply in stub.ReadKV(request, timeout=timeout):
+        c = reply.chunk
+        lo = c.start - start
+        if lo < 0 or lo + c.num_tokens > n or list(c.shape)[2:3] != [c.num_tokens]:
+            raise DataLoss(f"ReadKV answered tokens {c.start}..{c.start + c.num_tokens} (shape "
+                           f"{list(c.shape)}) for a read of {start}..{start + n}")
+        try:
+            piece = from_kv_chunk(c)
+        except ValueError as exc:
+            raise DataLoss(f"ReadKV answered a malformed chunk: {exc}") from None
+        out[:, :, lo:lo + c.num_tokens].copy_(piece)
+        got += c.num_tokens
+    if got != n:
+        raise DataLoss(f"ReadKV answered {got} of the {n} tokens asked for ({start}..{start + n})")
+    return out
+
+
+def attend(stub, session_id: int, seq_ids: list[int], query: torch.Tensor, *, layer: int,
+           new_k, new_v, query_start_loc, scale: float | None, timeout: float | None) -> torch.Tensor:
+    """Paged attention computed by the daemon over its pool; returns a CPU tensor like ``query``."""
+    try:
+        request = pb.AttendRequest(session_id=session_id, seq_ids=seq_ids, layer=layer,
+                                   query=to_tensor_msg(query), scale=scale or 0.0)
+        if new_k is not None:
+            request.new_k.CopyFrom(to_tensor_msg(new_k))
+            request.new_v.CopyFrom(to_tensor_msg(new_v))
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+    if query_start_loc is not None:
+        request.query_start_loc.extend(int(x) for x in query_start_loc)
+    reply = stub.Attend(request, timeout=timeout)
+    try:
+        return from_tensor_msg(reply.output).clone()
+    except ValueError as exc:
+        raise DataLoss(f"Attend answered a malformed output: {exc}") from None

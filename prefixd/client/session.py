@@ -1,0 +1,245 @@
+"""``connect`` and ``Session``: one attachment to a prefixd daemon (DESIGN.md "Client library").
+
+A session is made by ``Attach`` (on ``connect``), held by a ``KeepAlive`` stream on a background
+thread, and ended by ``Detach`` (``close()``, or leaving the ``with`` block). Its sequences are
+``Sequence`` handles that every reply updates in place. KV moves through the mapped device pool
+when this process can map it (``mapped.py``) and over the rpcs otherwise (``remote_kv.py``).
+
+Reconnect semantics (``reconnect=True``, the default):
+
+- A KeepAlive stream that breaks starts a recovery at once on a background thread (recovered
+  sequences wait only ``reclaim_grace_s`` in the daemon); a call that fails UNAVAILABLE or
+  NOT_FOUND starts one too if none has run since the call began. A recovery first probes the
+  old session (still there: it was a hiccup, nothing changes); else it attaches again with
+  exponential backoff (``Backoff``: bounded total time), calls ``Reclaim(previous session id)``,
+  remaps the pools, and updates every live ``Sequence`` in place: a new ``id`` and
+  ``block_table``, ``reclaimed`` set, ``num_tokens`` cut back to what survived (whole committed
+  blocks) and ``previous_num_tokens`` what it had, so the caller re-extends and rewrites tokens
+  ``num_tokens .. previous_num_tokens``; ``lost`` when nothing survived (open it again).
+- Idempotent calls (``lookup``, ``lookup_tiers``, ``stats``) are retried and succeed as if
+  nothing happened. A call that is not (``open``, ``extend``, ``commit``, ``fork``,
+  ``release``, ``write_kv``, ``read_kv``, ``attend``) and failed under the restart raises
+  ``DaemonRestarted`` (``.reclaimed``: the updated handles), because whether its effect
+  happened is unknown; redo its work against the updated handles.
+- A handle a recovery changed raises ``DaemonRestarted`` once at the next call that names it,
+  even when the recovery ran in the background and the call itself would work: a sequence
+  cut back from 40 to 32 tokens must not be extended from 32 as if nothing happened.
+- If the daemon does not come back within the backoff's total, the call raises
+  ``Unavailable``; the session stays usable and the next call tries again.
+- Mapped writes cannot notice a restart by themselves (they are plain stores); the commit that
+  follows them does, and raises ``DaemonRestarted``, so no write is acknowledged unseen.
+
+With ``reconnect=False`` every failure is raised as its typed error and a lost lease ends the
+session (calls then raise ``NotFound``).
+
+A session may be shared by threads; recovery runs under one lock and at most once per failure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from prefixd.api import prefixd_pb2 as pb
+from prefixd.api.layout import KVLayout
+from prefixd.client import remote_kv
+from prefixd.client.attachment import Attachment
+from prefixd.client.errors import InvalidArgument
+from prefixd.client.handles import LookupResult, Sequence
+from prefixd.client.mapped import check_attend_args
+from prefixd.client.reconnect import Backoff
+from prefixd.client.wire import pack_tokens
+from prefixd.kernels.token_io import check_kv
+
+log = logging.getLogger(__name__)
+
+
+def connect(socket_path: str, layout: KVLayout, name: str = "prefixd-client", *, mapped: bool | None = None,
+            lease_renew: float | None = None, reconnect: bool = True, backoff: Backoff | None = None,
+            timeout_s: float | None = 60.0) -> "Session":
+    """Attach to the daemon on ``socket_path`` for ``layout``; use as a context manager.
+
+    Args:
+        mapped: ``None`` maps the device pool when possible and falls back to the rpcs; ``True``
+            requires the mapping (MappingError otherwise); ``False`` always uses the rpcs.
+        lease_renew: seconds between keep-alive pings (default: a third of the lease).
+        reconnect: recover after a daemon restart (module docstring); ``backoff`` bounds it.
+        timeout_s: deadline of each call (None: none).
+    Raises:
+        Unavailable: no daemon answered (within the backoff's total when ``reconnect``);
+        InvalidArgument: the daemon refused the layout; MappingError: ``mapped=True`` and the
+        pool cannot be mapped.
+    """
+    return Session(socket_path, layout, name, mapped=mapped, lease_renew=lease_renew, reconnect=reconnect,
+                   backoff=backoff, timeout_s=timeout_s)
+
+
+class Session(Attachment):
+    """The client API over one attachment (see ``Attachment`` for its state and invariants).
+
+    Every method that names a ``Sequence`` updates it in place from the daemon's reply.
+    """
+
+    # -- the API -----------------------------------------------------------------------------
+
+    def lookup(self, tokens) -> int:
+        """Cached tokens of the prompt ``tokens`` (any tier), pinning nothing."""
+        return self.lookup_tiers(tokens).cached_tokens
+
+    def lookup_tiers(self, tokens) -> LookupResult:
+        """Cached tokens of ``tokens`` by tier (``LookupResult``), pinning nothing."""
+        raw = pack_tokens(tokens)
+        r = self._call(lambda: self._stub.Lookup(pb.LookupRequest(session_id=self.id, tokens=raw),
+                                                 timeout=self._timeout), idempotent=True, what="lookup")
+        return LookupResult(r.cached_tokens, r.device_tokens, r.host_tokens, r.disk_tokens, r.unverified_tokens)
+
+    def open(self, tokens) -> Sequence:
+        """Open a sequence for ``tokens``: its cached prefix is shared, the rest allocated.
+        Compute KV only for tokens past ``seq.cached_tokens``. Raises ResourceExhausted."""
+        raw = pack_tokens(tokens)
+        r = self._call(lambda: self._stub.Open(pb.OpenRequest(session_id=self.id, tokens=raw),
+                                               timeout=self._timeout), idempotent=False, what="open")
+        seq = Sequence(r.sequence)
+        self._live[seq.id] = seq
+        return seq
+
+    def extend(self, seq: Sequence, tokens) -> Sequence:
+        """Append ``tokens`` to ``seq`` (copy-on-write of a shared last block done); returns it."""
+        seq.check_live()
+        raw = pack_tokens(tokens)
+        r = self._call(lambda: self._stub.Extend(pb.ExtendRequest(session_id=self.id, seq_id=seq.id, tokens=raw),
+                                                 timeout=self._timeout), idempotent=False, what="extend")
+        self._rekey(seq, r.sequence)
+        return seq
+
+    def commit(self, seq: Sequence, durability: str = "crash") -> int:
+        """Index ``seq``'s full blocks (its KV must be written); answered once as durable as
+        asked ("index", "crash", "power"). Returns the blocks newly indexed."""
+        seq.check_live()
+        r = self._call(lambda: self._stub.Commit(pb.CommitRequest(session_id=self.id, seq_id=seq.id,
+                                                                  durability=durability), timeout=self._timeout),
+                       idempotent=False, what="commit")
+        if r.HasField("sequence"):
+            self._rekey(seq, r.sequence)
+        return r.indexed_blocks
+
+    def fork(self, seq: Sequence, n: int) -> list[Sequence]:
+        """``n`` children sharing every block of ``seq`` (copy-on-write on their next extend)."""
+        seq.check_live()
+        r = self._call(lambda: self._stub.Fork(pb.ForkRequest(session_id=self.id, seq_id=seq.id, num_children=n),
+                                               timeout=self._timeout), idempotent=False, what="fork")
+        children = [Sequence(c) for c in r.children]
+        for s in [seq, *children]:
+            s.mark_forked()
+        for c in children:
+            self._live[c.id] = c
+        return children
+
+    def release(self, seq: Sequence, commit: bool = False, durability: str = "crash") -> None:
+        """Drop ``seq`` (committing first when ``commit``); its indexed blocks stay cached."""
+        seq.check_live()
+        self._call(lambda: self._stub.Release(pb.ReleaseRequest(session_id=self.id, seq_id=seq.id, commit=commit,
+                                                                 durability=durability), timeout=self._timeout),
+                   idempotent=False, what="release")
+        self._live.pop(seq.id, None)
+        seq.released = True
+
+    def write_kv(self, seq: Sequence, start: int, kv) -> None:
+        """Write ``kv`` (``[num_layers, 2, n, num_kv_heads, head_dim]`` of the layout's dtype)
+        as the KV of tokens ``start .. start + n`` of ``seq``.
+
+        Raises:
+            InvalidArgument: shape, dtype or range; SharedBlockError: the range reaches a
+            committed block (write only tokens past ``seq.num_indexed * block_size``).
+        """
+        seq.check_live()
+        try:
+            n = check_kv(self.layout, kv)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        self._check_range(seq, start, n)
+        if not n:
+            return
+        pool = self.pool
+        if pool is not None and (start // self.layout.block_size >= seq.shared_blocks()
+                                 or start // self.layout.block_size < seq.num_indexed):
+            pool.write(seq, start, kv)
+            return
+        self._call(lambda: remote_kv.write_kv(self._stub, self.id, seq.id, start, kv, self.layout.block_size,
+                                              self.max_message_bytes, self._timeout),
+                   idempotent=False, what="write_kv")
+
+    def read_kv(self, seq: Sequence, start: int, n: int):
+        """The KV of tokens ``start .. start + n`` of ``seq`` as a new tensor."""
+        seq.check_live()
+        self._check_range(seq, start, n)
+        if self.pool is not None:
+            return self.pool.read(seq, start, n)
+        return self._call(lambda: remote_kv.read_kv(self._stub, self.id, seq.id, start, n, self.layout,
+                                                    self._timeout), idempotent=False, what="read_kv")
+
+    def attend(self, seqs, q, *, layer: int = 0, new_k=None, new_v=None, query_start_loc=None,
+               scale: float | None = None):
+        """Paged attention of ``seqs`` (decode: ``q`` is ``[num_seqs, num_q_heads, head_dim]``;
+        extend: the new tokens packed, located by ``query_start_loc``) over layer ``layer`` of
+        the pool, after writing ``new_k``/``new_v`` (``[tokens, num_kv_heads, head_dim]``) as
+        the K/V of each sequence's last tokens. Computed here over the mapped pool, else by
+        the daemon (Attend). Returns a tensor like ``q``."""
+        seqs = list(seqs)
+        for s in seqs:
+            s.check_live()
+        check_attend_args(seqs, q, new_k, new_v, query_start_loc)
+        if not 0 <= layer < self.layout.num_layers:
+            raise InvalidArgument(f"layer must be in 0..{self.layout.num_layers - 1}, got {layer}")
+        pool = self.pool
+        if pool is not None and (new_k is None or self._new_tokens_private(seqs, q, query_start_loc)):
+            return pool.attend(seqs, q, layer=layer, new_k=new_k, new_v=new_v,
+                               query_start_loc=query_start_loc, scale=scale)
+        return self._call(lambda: remote_kv.attend(self._stub, self.id, [s.id for s in seqs], q, layer=layer,
+                                                   new_k=new_k, new_v=new_v, query_start_loc=query_start_loc,
+                                                   scale=scale, timeout=self._timeout),
+                          idempotent=False, what="attend")
+
+    def stats(self) -> dict[str, float]:
+        """The tenant's counters and gauges (Prometheus-style names)."""
+        return dict(self._stats().values)
+
+    def stats_json(self) -> dict:
+        """The same, nested by tenant and pool."""
+        raw = self._stats().json
+        return json.loads(raw) if raw else {}
+
+    def _stats(self) -> pb.StatsReply:
+        return self._call(lambda: self._stub.Stats(pb.StatsRequest(session_id=self.id), timeout=self._timeout),
+                          idempotent=True, what="stats")
+
+    @property
+    def sequences(self) -> list[Sequence]:
+        """The live handles (opened, forked or reclaimed, not released)."""
+        return list(self._live.values())
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _rekey(self, seq: Sequence, reply: pb.SequenceReply) -> None:
+        old = seq.id
+        seq.update(reply)
+        if seq.id != old:
+            self._live.pop(old, None)
+        self._live[seq.id] = seq
+
+    def _new_tokens_private(self, seqs, q, query_start_loc) -> bool:
+        """True when every new token's block is past what a fork may share (mapped write safe)."""
+        bs = self.layout.block_size
+        for i, s in enumerate(seqs):
+            n = 1 if query_start_loc is None else int(query_start_loc[i + 1]) - int(query_start_loc[i])
+            if n and (s.num_tokens - n) // bs < s.shared_blocks() and (s.num_tokens - n) // bs >= s.num_indexed:
+                return False
+        return True
+
+    @staticmethod
+    def _check_range(seq: Sequence, start: int, n: int) -> None:
+        if not isinstance(start, int) or not isinstance(n, int) or start < 0 or n < 0:
+            raise InvalidArgument(f"start and n must be ints >= 0, got start={start!r} n={n!r}")
+        if start + n > seq.num_tokens:
+            raise InvalidArgument(f"tokens {start}..{start + n} are past the end of sequence {seq.id} "
+                                  f"({seq.num_tokens} tokens): extend it first")

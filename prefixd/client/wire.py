@@ -1,0 +1,35 @@
+"""Token ids and block tables on the wire: packed little-endian int32 bytes (prefixd.proto
+"Conventions"). Tensors on the wire are ``prefixd.api.tensors`` (shared with the daemon).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from prefixd.api.layout import as_token_bytes
+from prefixd.client.errors import InvalidArgument
+
+
+def pack_tokens(tokens) -> bytes:
+    """Token ids as packed little-endian int32 bytes.
+
+    Accepts a list of ints, a 1-D numpy array or torch tensor of integers, or bytes already
+    packed.
+
+    Raises:
+        InvalidArgument: not 1-D integers in ``[0, 2**31)``, or bytes not a multiple of 4.
+    """
+    if isinstance(tokens, torch.Tensor):
+        if tokens.is_floating_point() or tokens.is_complex():
+            raise InvalidArgument(f"tokens must be integers, got a tensor of {tokens.dtype}")
+        tokens = tokens.detach().cpu().numpy()
+    try:
+        return as_token_bytes(tokens)
+    except (ValueError, TypeError) as exc:
+        raise InvalidArgument(f"bad tokens: {exc}") from None
+
+
+def unpack_ints(raw: bytes) -> list[int]:
+    """Packed little-endian int32 bytes (tokens or a block table) as a list of ints."""
+    return np.frombuffer(raw, dtype="<i4").tolist()

@@ -1,0 +1,139 @@
+"""Mapping a real pool file (made by prefixd.storage, as the daemon makes it) and the mapped
+KV path, with no daemon."""
+
+import os
+
+import pytest
+import torch
+
+import prefixd.client as pc
+from prefixd.api import prefixd_pb2 as pb
+from prefixd.api.layout import KVLayout
+from prefixd.client.handles import Sequence
+from prefixd.client.mapped import map_pool
+from prefixd.client.wire import pack_tokens
+from prefixd.kernels import layer_kv, reference
+from prefixd.storage.pools import TensorPool
+
+LAYOUT = KVLayout("mapped-test", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4)
+NUM_BLOCKS = 32
+
+
+@pytest.fixture
+def daemon_pool(tmp_path):
+    p = TensorPool(LAYOUT, 0, NUM_BLOCKS, path=str(tmp_path / "device.pool"), fresh=True)
+    yield p
+    p.close()
+
+
+def descriptor(p: TensorPool, **change) -> pb.PoolDescriptor:
+    d = p.descriptor()
+    fields = dict(tier="device", path=d["path"], offset=d["offset"], shape=d["shape"], strides=d["strides"],
+                  dtype=d["dtype"], file_id=d["file_id"])
+    fields.update(change)
+    return pb.PoolDescriptor(**fields)
+
+
+def seq(block_table, num_tokens, num_indexed=0) -> Sequence:
+    return Sequence(pb.SequenceReply(seq_id=1, num_tokens=num_tokens, block_table=pack_tokens(block_table),
+                                     num_indexed=num_indexed))
+
+
+def kv(n, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((LAYOUT.num_layers, 2, n, LAYOUT.num_kv_heads, LAYOUT.head_dim), generator=g)
+
+
+def test_a_mapped_pool_aliases_the_daemons_memory_both_ways(daemon_pool):
+    mapped = map_pool(descriptor(daemon_pool), LAYOUT)
+    assert mapped.tensor.shape == daemon_pool.tensor.shape and mapped.tensor.stride() == daemon_pool.tensor.stride()
+    daemon_pool.tensor[3].fill_(7.0)
+    assert torch.equal(mapped.tensor[3], daemon_pool.tensor[3])
+    mapped.tensor[5].fill_(-2.0)
+    assert torch.equal(daemon_pool.tensor[5], torch.full_like(daemon_pool.tensor[5], -2.0))
+
+
+def test_mapped_write_and_read_go_through_the_block_table(daemon_pool):
+    mapped = map_pool(descriptor(daemon_pool), LAYOUT)
+    s = seq([9, 4, 17], 11)
+    x = kv(11)
+    mapped.write(s, 0, x)
+    assert torch.equal(mapped.read(s, 0, 11), x)
+    assert torch.equal(daemon_pool.tensor[4, :, :, 2], x[:, :, 6]), "token 6 is row 2 of block 1 (slot 4)"
+
+
+def test_a_mapped_write_to_a_committed_block_is_refused_and_writes_nothing(daemon_pool):
+    """Bug it guards: a mapped client storing into an indexed block changes KV other prompts hit."""
+    mapped = map_pool(descriptor(daemon_pool), LAYOUT)
+    s = seq([9, 4, 17], 11, num_indexed=2)
+    before = daemon_pool.tensor.clone()
+    with pytest.raises(pc.SharedBlockError, match="committed"):
+        mapped.write(s, 6, kv(5))
+    assert torch.equal(daemon_pool.tensor, before)
+    mapped.write(s, 8, kv(3))  # block 2 is private
+    assert not torch.equal(daemon_pool.tensor[17], before[17])
+
+
+def test_a_file_replaced_under_the_path_is_refused(daemon_pool):
+    with pytest.raises(pc.MappingError, match="replaced"):
+        map_pool(descriptor(daemon_pool, file_id=b"\x01" * 16), LAYOUT)
+
+
+def test_a_missing_file_is_a_mapping_error_not_a_crash(daemon_pool, tmp_path):
+    with pytest.raises(pc.MappingError, match="cannot open"):
+        map_pool(descriptor(daemon_pool, path=str(tmp_path / "gone.pool")), LAYOUT)
+
+
+def test_a_file_shorter_than_the_pool_is_refused(daemon_pool, tmp_path):
+    short = tmp_path / "short.pool"
+    with open(daemon_pool.path, "rb") as f:
+        short.write_bytes(f.read(4096 + LAYOUT.block_bytes))
+    with pytest.raises(pc.MappingError, match="too short"):
+        map_pool(descriptor(daemon_pool, path=str(short)), LAYOUT)
+
+
+def test_a_file_that_is_not_a_pool_is_refused(tmp_path, daemon_pool):
+    other = tmp_path / "other"
+    other.write_bytes(os.urandom(8192))
+    with pytest.raises(pc.MappingError, match="magic"):
+        map_pool(descriptor(daemon_pool, path=str(other)), LAYOUT)
+
+
+def test_a_descriptor_of_another_layout_is_refused(daemon_pool):
+    other = KVLayout("mapped-test", num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4)
+    with pytest.raises(pc.MappingError, match="layout"):
+        map_pool(descriptor(daemon_pool), other)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a host without CUDA")
+def test_a_cuda_handle_without_cuda_is_a_mapping_error(daemon_pool):
+    with pytest.raises(pc.MappingError, match="CUDA"):
+        map_pool(descriptor(daemon_pool, path="", cuda_ipc=b"not-a-handle"), LAYOUT)
+
+
+def _reference(pool_tensor, seqs, q, loc=None):
+    k, v = layer_kv(pool_tensor, 1)
+    width = max(len(s.block_table) for s in seqs)
+    tables = torch.zeros((len(seqs), width), dtype=torch.int32)
+    for i, s in enumerate(seqs):
+        tables[i, :len(s.block_table)] = torch.tensor(s.block_table, dtype=torch.int32)
+    lens = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int32)
+    if loc is None:
+        return reference.paged_decode_reference(q, k, v, tables, lens)
+    return reference.paged_extend_reference(q, k, v, tables, lens, torch.tensor(loc, dtype=torch.int32))
+
+
+def test_mapped_attend_writes_new_kv_then_matches_the_reference(daemon_pool):
+    mapped = map_pool(descriptor(daemon_pool), LAYOUT)
+    a, b = seq([1, 2, 3], 10), seq([8, 5], 7)
+    mapped.write(a, 0, kv(10, 1))
+    mapped.write(b, 0, kv(7, 2))
+    q = torch.randn(2, 4, LAYOUT.head_dim)
+    new_k, new_v = torch.randn(2, 2, LAYOUT.head_dim), torch.randn(2, 2, LAYOUT.head_dim)
+    out = mapped.attend([a, b], q, layer=1, new_k=new_k, new_v=new_v, query_start_loc=None, scale=None)
+    k, _ = layer_kv(daemon_pool.tensor, 1)
+    assert torch.equal(k[3, 1], new_k[0]) and torch.equal(k[5, 2], new_k[1]), "last tokens 9 and 6"
+    torch.testing.assert_close(out, _reference(daemon_pool.tensor, [a, b], q))
+    q2 = torch.randn(5, 4, LAYOUT.head_dim)
+    out2 = mapped.attend([a, b], q2, layer=1, new_k=None, new_v=None, query_start_loc=[0, 3, 5], scale=None)
+    torch.testing.assert_close(out2, _reference(daemon_pool.tensor, [a, b], q2, [0, 3, 5]))
