@@ -1,0 +1,62 @@
+"""Reconnect and reclaim after the daemon is killed with SIGKILL and restarted on the same state."""
+
+import torch
+import pytest
+
+import prefixd.client as pc
+from tests.daemon.harness import start_daemon
+
+LAYOUT = pc.KVLayout("reconnect-test", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4)
+
+
+def kv(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((LAYOUT.num_layers, 2, n, LAYOUT.num_kv_heads, LAYOUT.head_dim), generator=g)
+
+
+def test_after_kill9_sessions_reattach_and_reclaim_what_was_committed():
+    """Two sessions meet the same restart two ways: the mapped one through its keep-alive
+    thread (recovers in the background), the rpc one through a call (its keep-alive's report
+    is switched off, so the failed call itself recovers)."""
+    committed, uncommitted, other = list(range(100, 110)), list(range(200, 206)), list(range(300, 309))
+    x, y = kv(10, 1), kv(9, 2)
+    with start_daemon() as d, pc.connect(d.socket, LAYOUT, name="m", mapped=True) as m, \
+            pc.connect(d.socket, LAYOUT, name="r", mapped=False) as r:
+        a = m.open(committed)
+        m.write_kv(a, 0, x)
+        m.commit(a, durability="crash")
+        b = m.open(uncommitted)
+        c = r.open(other)
+        r.write_kv(c, 0, y)
+        r.commit(c)
+        old_ids = m.id, r.id
+        r._keepalive._on_lost = lambda error: None
+        d.kill()
+        d.start(wait=False)
+
+        # The call meets the restart: it recovers, then raises because extend is not idempotent.
+        with pytest.raises(pc.DaemonRestarted) as err:
+            r.extend(c, [5])
+        assert err.value.reclaimed == [c] and len(c) == 8 and c.previous_num_tokens == 9
+        r.extend(c, [5])  # told once: the redo proceeds
+        assert len(c) == 9 and r.recoveries == 1 and r.id != old_ids[1]
+        assert torch.equal(r.read_kv(c, 0, 8), y[:, :, :8]), "committed KV survives byte for byte"
+
+        # The keep-alive recovered the other session; an idempotent call just works.
+        assert m.lookup(committed) == 8
+        assert m.id != old_ids[0] and m.recoveries == 1
+        with pytest.raises(pc.DaemonRestarted) as err:
+            m.read_kv(a, 0, 8)
+        assert a in err.value.reclaimed
+        assert a.reclaimed and len(a) == 8 and a.previous_num_tokens == 10 and a.num_indexed == 2
+        assert torch.equal(m.read_kv(a, 0, 8), x[:, :, :8])
+        m.extend(a, committed[8:])
+        m.write_kv(a, 8, x[:, :, 8:])
+        assert torch.equal(m.read_kv(a, 0, 10), x)
+        with pytest.raises(pc.DaemonRestarted):
+            m.extend(b, [1])
+        assert b.lost
+        with pytest.raises(pc.NotFound, match="open the prompt again"):
+            m.extend(b, [1])
+        m.check_invariants()
+        r.check_invariants()
