@@ -156,6 +156,7 @@ class Daemon:
             await health_servicer.enter_graceful_shutdown()
         for task in list(core.keepalive_tasks):  # streams never end by themselves
             task.cancel()
+        await self._drain(core.config.shutdown_grace_s)
         await self._close_servers(core.config.shutdown_grace_s)
         ticker.cancel()
         status = 0
@@ -172,6 +173,22 @@ class Daemon:
             status = 1
         log.info("stopped status=%d", status)
         return status
+
+    async def _drain(self, grace: float) -> None:
+        """Wait (at most ``grace`` s) until no call is in flight for a few loop turns, the
+        servers still accepting: a call arriving meanwhile is refused UNAVAILABLE by its
+        handler (``check_serving``: the state is ``stopping``).
+
+        NOTE: a stopped ``grpc.aio`` server answers the calls it received but had not started
+        with CANCELLED, which tells a client nothing (did its commit happen?); UNAVAILABLE says
+        it did not, retry after the restart. Found by tests/daemon/test_leases.py (SIGTERM).
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        quiet = 0
+        while quiet < 3 and loop.time() < deadline:
+            quiet = quiet + 1 if not self.core.in_flight else 0
+            await asyncio.sleep(0.01)
 
     async def _close_servers(self, grace: float) -> None:
         await asyncio.gather(*(server.stop(grace) for server, _ in self._servers),

@@ -98,6 +98,25 @@ def _kv():
     return kv_rpc
 
 
+async def durable(ticket):
+    """The result of an engine ticket, awaited on the loop without a thread.
+
+    NOTE: ``asyncio.wrap_future`` alone chains a cancellation back to the ticket: a call
+    cancelled while its commit was pending (the client died or gave up) cancelled the engine's
+    ticket, and the WAL committer resolving it then raised InvalidStateError ("exception
+    calling callback" in the log). ``shield`` cancels only the handler; the commit goes on.
+    """
+    waiter = asyncio.wrap_future(ticket)
+    waiter.add_done_callback(_retrieve)
+    return await asyncio.shield(waiter)
+
+
+def _retrieve(fut) -> None:
+    """Mark an abandoned waiter's exception as seen (asyncio logs unseen ones at collection)."""
+    if not fut.cancelled():
+        fut.exception()
+
+
 async def _same_session(first, stream, session_id: int):
     """The chunks of one WriteKV stream, each checked to name the stream's session."""
     yield first
@@ -234,7 +253,7 @@ class PrefixCacheService(pb_grpc.PrefixCacheServicer):
         ticket = session.pool.commit(request.seq_id, request.durability or "crash")
         seq = session.pool.sequence(request.seq_id)
         reply = pb.CommitReply(sequence=seq_reply(seq))  # the table as of the commit
-        reply.indexed_blocks = await asyncio.wrap_future(ticket) or 0
+        reply.indexed_blocks = await durable(ticket) or 0
         return reply
 
     @rpc
@@ -259,7 +278,7 @@ class PrefixCacheService(pb_grpc.PrefixCacheServicer):
         durability = request.durability or "crash"
         ticket = session.pool.release(request.seq_id, commit=request.commit, durability=durability)
         session.untrack(request.seq_id)
-        await asyncio.wrap_future(ticket)
+        await durable(ticket)
         return pb.ReleaseReply()
 
     # -- KV data path (kv_rpc) -----------------------------------------------------------------

@@ -1,0 +1,385 @@
+"""Client processes for the daemon's kill -9 and lease suites, over the raw generated stubs.
+
+    python -m tests.daemon.gsp_load load SOCKET OUT_DIR INDEX SEED
+    python -m tests.daemon.gsp_load spawner SOCKET OUT_DIR
+    python -m tests.daemon.gsp_load serve-planted serve --config ... (prefixd serve, planted bug)
+
+``load`` (tests/crash/test_daemon_kill9.py): gsp-like requests forever. Each opens a prompt (a
+shared system prefix and a unique suffix), writes the KV of its uncached tokens through
+``WriteKV`` and commits at ``crash`` durability (``Commit``, then the sequence is held until
+the next request; or ``Release`` with ``commit``). Once the reply is received it appends one
+JSON line to ``OUT_DIR/acks-INDEX``: the tokens, the committed full-block length and the digest
+of their KV bytes. When the daemon goes away (UNAVAILABLE, or NOT_FOUND for its session after a
+restart) it attaches again with backoff, ``Reclaim``s every previous session and checks what
+came back against what it held: every sequence whose commit was acknowledged and that was not
+released returns with at least its committed tokens, and every returned sequence's tokens and
+KV bytes (``ReadKV``) are consistent. One JSON line per Reclaim goes to ``OUT_DIR/events-INDEX``.
+
+``spawner`` (tests/daemon/test_leases.py): imports once, then forks a holder per stdin line
+``NAME MODE SEED`` and prints its pid. A holder attaches, opens sequences (``MODE`` says how:
+private uncommitted blocks, forks, pinned shared prefixes, and whether a KeepAlive stream holds
+the session), writes ``OUT_DIR/NAME.ready`` and waits to be killed.
+
+KV is a function of each token's whole prefix (``kv_of``), as a model's would be: two clients
+that share a prefix write identical bytes for it, so a committed block has one right value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from prefixd.api import prefixd_pb2 as pb
+from prefixd.api import prefixd_pb2_grpc as pb_grpc
+
+BS = 16
+L, H, D = 2, 2, 4
+LAYOUT = dict(model_id="gsp-load", num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32",
+              block_size=BS)
+SYSTEM_LENGTHS = (40, 48, 64, 80)  # shared prefixes (not all block-aligned)
+RETRY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+def pb_layout() -> pb.KVLayout:
+    return pb.KVLayout(**LAYOUT)
+
+
+def systems() -> list[list[int]]:
+    rng = random.Random(1234)
+    return [[rng.randrange(50000) for _ in range(n)] for n in SYSTEM_LENGTHS]
+
+
+def packed(tokens) -> bytes:
+    return np.asarray(tokens, dtype="<i4").tobytes()
+
+
+def kv_of(tokens, start: int, n: int) -> np.ndarray:
+    """KV ``[L, 2, n, H, D]`` of tokens ``start .. start + n``: each token's values come from a
+    rolling hash of its whole prefix (exact in float32: all values are integers below 2**23)."""
+    h, out = 0, []
+    for t in tokens[:start + n]:
+        h = (h * 1000003 + int(t) + 1) % 65521
+        out.append(h)
+    hs = np.asarray(out[start:], dtype=np.float32).reshape(1, 1, n, 1, 1)
+    layer = np.arange(L, dtype=np.float32).reshape(L, 1, 1, 1, 1)
+    kv = np.arange(2, dtype=np.float32).reshape(1, 2, 1, 1, 1)
+    lane = np.arange(H * D, dtype=np.float32).reshape(1, 1, 1, H, D)
+    return (hs * 64 + layer * 32 + kv * 16 + lane).astype(np.float32)
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:24]
+
+
+def write_kv(stub, session: int, seq_id: int, tokens, start: int) -> None:
+    n = len(tokens) - start
+    if n <= 0:
+        return
+    chunk = pb.KVChunk(seq_id=seq_id, start=start, num_tokens=n, shape=[L, 2, n, H, D],
+                       dtype="float32", data=kv_of(tokens, start, n).tobytes())
+    stub.WriteKV(iter([pb.WriteKVRequest(session_id=session, chunk=chunk)]), timeout=30)
+
+
+def read_kv(stub, session: int, seq_id: int, n: int) -> bytes:
+    req = pb.ReadKVRequest(session_id=session, seq_id=seq_id, start=0, num_tokens=n)
+    return b"".join(r.chunk.data for r in stub.ReadKV(req, timeout=30))
+
+
+class Log:
+    """One JSON object per line, one ``write(2)`` on an O_APPEND descriptor (a kill leaves
+    whole lines and at most one torn last line, which ``read_lines`` drops)."""
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def add(self, obj: dict) -> None:
+        os.write(self._fd, (json.dumps(obj, separators=(",", ":")) + "\n").encode())
+
+
+def read_lines(path: str) -> list[dict]:
+    try:
+        with open(path, "rb") as f:
+            data = f.read().decode()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in data.split("\n")[:-1]]
+
+
+# -- load -----------------------------------------------------------------------------------------
+
+class Reconnect(Exception):
+    """The daemon went away (or restarted): attach again and reclaim."""
+
+
+class LoadClient:
+    """One gsp-like client that survives daemon restarts (see the module docstring).
+
+    ``known``: every sequence of the current session the client learned of (id -> tokens), and
+    ``held``: those whose commit was acknowledged and whose release was not sent (id -> ack).
+
+    NOTE: a released sequence may come back from a Reclaim: a release is not made durable by
+    itself (``Release`` with ``commit`` waits for the commit's records only), so a kill right
+    after it may leave the sequence live in the log. Such a sequence is checked for consistent
+    tokens and bytes like any other; only a sequence the session never had is an error.
+    """
+
+    def __init__(self, socket: str, out_dir: str, index: int, seed: int) -> None:
+        self.channel = grpc.insecure_channel("unix:" + socket)
+        self.stub = pb_grpc.PrefixCacheStub(self.channel)
+        self.acks = Log(os.path.join(out_dir, f"acks-{index}"))
+        self.events = Log(os.path.join(out_dir, f"events-{index}"))
+        self.index = index
+        self.rng = random.Random(seed)
+        self.systems = systems()
+        self.session = 0
+        self.known: dict[int, list[int]] = {}
+        self.held: dict[int, dict] = {}
+        self.lenient = False  # an Open / Reclaim was cut: unknown sequences may come back
+        self.pending: list[dict] = []  # previous sessions to Reclaim
+
+    def run(self) -> None:
+        self.attach()
+        while True:
+            try:
+                self.request()
+            except Reconnect:
+                self.attach()
+
+    def call(self, fn, *args, **kw):
+        try:
+            return fn(*args, **kw)
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details() or ""
+            if code in RETRY or (code is grpc.StatusCode.NOT_FOUND and "no session" in details):
+                raise Reconnect() from None
+            self.events.add({"error": f"{code.name}: {details}"})
+            raise
+
+    def request(self) -> None:
+        tokens = self.rng.choice(self.systems) + [self.rng.randrange(50000)
+                                                  for _ in range(self.rng.randint(8, 56))]
+        if len(tokens) % BS == 0:
+            tokens.append(self.rng.randrange(50000))  # a partial last block stays private
+        self.lenient = True  # until the reply names the sequence
+        seq = self.call(self.stub.Open, pb.OpenRequest(session_id=self.session,
+                                                       tokens=packed(tokens)), timeout=30).sequence
+        self.known[seq.seq_id] = tokens
+        self.lenient = False
+        self.call(write_kv, self.stub, self.session, seq.seq_id, tokens, seq.cached_tokens)
+        full = len(tokens) // BS * BS
+        ack = {"session": self.session, "seq": seq.seq_id, "tokens": tokens, "full": full,
+               "digest": digest(kv_of(tokens, 0, full).tobytes())}
+        if self.rng.random() < 0.5:
+            self.call(self.stub.Commit, pb.CommitRequest(session_id=self.session, seq_id=seq.seq_id,
+                                                         durability="crash"), timeout=30)
+            self.acks.add(ack)
+            for old in list(self.held):
+                self.release(old)
+            self.held[seq.seq_id] = ack
+        else:
+            self.call(self.stub.Release, pb.ReleaseRequest(session_id=self.session, seq_id=seq.seq_id,
+                                                           commit=True, durability="crash"),
+                      timeout=30)
+            self.acks.add(ack)
+
+    def release(self, seq_id: int) -> None:
+        self.held.pop(seq_id, None)
+        self.call(self.stub.Release, pb.ReleaseRequest(session_id=self.session, seq_id=seq_id),
+                  timeout=30)
+
+    def attach(self) -> None:
+        if self.session:
+            self.pending.append({"session": self.session, "known": dict(self.known),
+                                 "held": dict(self.held), "lenient": self.lenient})
+        self.session, self.known, self.held, self.lenient = 0, {}, {}, False
+        backoff = 0.02
+        while True:
+            try:
+                reply = self.stub.Attach(pb.AttachRequest(client_name=f"load-{self.index}",
+                                                          layout=pb_layout()), timeout=5)
+                break
+            except grpc.RpcError:
+                time.sleep(backoff)
+                backoff = min(0.5, backoff * 2)
+        self.session = reply.session_id
+        for entry in list(self.pending):
+            try:
+                got = self.call(self.stub.Reclaim, pb.ReclaimRequest(
+                    session_id=self.session, previous_session_id=entry["session"]), timeout=30)
+            except Reconnect:
+                entry["lenient"] = self.lenient = True  # some may have moved to this session
+                raise
+            self.pending.remove(entry)
+            self.check_reclaim(entry, got)
+
+    def check_reclaim(self, entry: dict, got: pb.ReclaimReply) -> None:
+        bad = []
+        back = {s.previous_seq_id: s for s in got.sequences}
+        for seq_id, ack in entry["held"].items():
+            s = back.get(seq_id)
+            if s is None or s.num_tokens < ack["full"]:
+                if not entry["lenient"]:
+                    bad.append(f"held sequence {seq_id} (acknowledged {ack['full']} tokens) came "
+                               f"back with {None if s is None else s.num_tokens}")
+        for s in got.sequences:
+            tokens = [int(t) for t in np.frombuffer(s.tokens, dtype="<i4")]
+            mine = entry["known"].get(s.previous_seq_id)
+            if mine is None and not entry["lenient"]:
+                bad.append(f"sequence {s.previous_seq_id} came back, never opened in that session")
+            if s.num_tokens % BS or len(tokens) != s.num_tokens or (
+                    mine is not None and tokens != mine[:s.num_tokens]):
+                bad.append(f"sequence {s.previous_seq_id} came back with other tokens")
+            if s.seq_id:
+                self.known[s.seq_id] = tokens
+                if s.previous_seq_id in entry["held"]:
+                    self.held[s.seq_id] = entry["held"][s.previous_seq_id]
+                data = self.call(read_kv, self.stub, self.session, s.seq_id, s.num_tokens)
+                if digest(data) != digest(kv_of(tokens, 0, s.num_tokens).tobytes()):
+                    bad.append(f"sequence {s.previous_seq_id} came back with other KV bytes")
+        self.events.add({"reclaim": entry["session"], "session": self.session,
+                         "held": len(entry["held"]), "returned": len(got.sequences),
+                         "lenient": entry["lenient"], "bad": bad})
+        for seq_id in [s.seq_id for s in got.sequences if s.seq_id]:
+            self.release(seq_id)
+
+
+# -- holders (lease suite) ------------------------------------------------------------------------
+
+HOLD_MODES = ("private", "forked", "pinned")
+
+
+def hold(socket: str, out_dir: str, name: str, mode: str, seed: int) -> None:
+    """Attach, take sequences as ``mode`` says, write ``NAME.ready``, wait to be killed.
+
+    ``mode`` is ``KIND[+keepalive|+stalled]``: ``private`` opens two unique prompts and writes
+    their KV (uncommitted private blocks); ``forked`` commits a unique prompt, forks it three
+    ways and extends each child (copy-on-write of the shared partial block); ``pinned`` opens a
+    shared system prefix (its indexed blocks pinned) and extends it. ``+keepalive`` holds the
+    session with a KeepAlive stream pinging every lease / 4; ``+stalled`` opens the stream,
+    pings once and never again; neither: no stream at all.
+    """
+    kind, _, ka = mode.partition("+")
+    rng = random.Random(seed)
+    stub = pb_grpc.PrefixCacheStub(grpc.insecure_channel("unix:" + socket))
+    reply = stub.Attach(pb.AttachRequest(client_name=name, layout=pb_layout()), timeout=10)
+    sid = reply.session_id
+    if ka:
+        _keepalive(stub, sid, reply.lease_s / 4 if ka == "keepalive" else None)
+    indexed = 0
+
+    def unique(n):
+        return [rng.randrange(50000, 90000) for _ in range(n)]
+
+    def open_(tokens):
+        seq = stub.Open(pb.OpenRequest(session_id=sid, tokens=packed(tokens)), timeout=10).sequence
+        write_kv(stub, sid, seq.seq_id, tokens, seq.cached_tokens)
+        return seq
+
+    if kind == "private":
+        for _ in range(2):
+            open_(unique(rng.randint(2 * BS, 5 * BS)))
+    elif kind == "forked":
+        tokens = unique(rng.randint(2 * BS, 4 * BS) + BS // 2)
+        seq = open_(tokens)
+        indexed += stub.Commit(pb.CommitRequest(session_id=sid, seq_id=seq.seq_id, durability="crash"),
+                               timeout=10).indexed_blocks
+        kids = stub.Fork(pb.ForkRequest(session_id=sid, seq_id=seq.seq_id, num_children=3),
+                         timeout=10).children
+        for kid in kids:
+            more = unique(rng.randint(1, BS))
+            stub.Extend(pb.ExtendRequest(session_id=sid, seq_id=kid.seq_id, tokens=packed(more)),
+                        timeout=10)
+    elif kind == "pinned":
+        tokens = rng.choice(systems())
+        seq = open_(tokens)
+        stub.Extend(pb.ExtendRequest(session_id=sid, seq_id=seq.seq_id, tokens=packed(unique(BS))),
+                    timeout=10)
+    else:
+        raise SystemExit(f"unknown hold mode {mode!r}")
+    with open(os.path.join(out_dir, name + ".ready.tmp"), "w") as f:
+        json.dump({"session": sid, "indexed": indexed}, f)
+    os.rename(os.path.join(out_dir, name + ".ready.tmp"), os.path.join(out_dir, name + ".ready"))
+    while True:
+        time.sleep(3600)
+
+
+def _keepalive(stub, sid: int, period: float | None) -> None:
+    """A KeepAlive stream on a thread: a ping every ``period`` s, or one ping and then silence
+    (``period`` None: a stalled client whose stream stays open)."""
+    stop = threading.Event()
+
+    def pings():
+        yield pb.KeepAliveRequest(session_id=sid)
+        while not stop.wait(period if period else 3600):
+            yield pb.KeepAliveRequest(session_id=sid)
+
+    def run():
+        try:
+            for _ in stub.KeepAlive(pings()):
+                pass
+        except grpc.RpcError:
+            pass
+
+    threading.Thread(target=run, daemon=True).start()
+
+
+def spawner(socket: str, out_dir: str) -> None:
+    """Fork a holder per stdin line ``NAME MODE SEED``; print its pid (holders are reaped by
+    the kernel: SIGCHLD is ignored). No channel exists here before a fork (gRPC and fork)."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    for line in sys.stdin:
+        name, mode, seed = line.split()
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                hold(socket, out_dir, name, mode, int(seed))
+            except BaseException as exc:  # noqa: BLE001 - reported through the ready file
+                with open(os.path.join(out_dir, name + ".failed"), "w") as f:
+                    f.write(repr(exc))
+                code = 3
+            os._exit(code)
+        print(pid, flush=True)
+
+
+# -- the daemon with a planted bug ----------------------------------------------------------------
+
+def serve_planted(argv: list[str]) -> int:
+    """``prefixd serve`` whose Commit acknowledges BEFORE its ticket resolves (the planted bug
+    the kill -9 suite must catch: tests/crash/test_daemon_kill9.py)."""
+    from prefixd.daemon import cli, service
+
+    async def Commit(self, request, context):  # noqa: N802 - the rpc's name
+        session = self._session(request.session_id)
+        session.owns(request.seq_id)
+        session.pool.commit(request.seq_id, request.durability or "crash")  # ticket not awaited
+        return pb.CommitReply(sequence=service.seq_reply(session.pool.sequence(request.seq_id)))
+
+    service.PrefixCacheService.Commit = service.rpc(Commit)
+    return cli.main(argv)
+
+
+def main(argv: list[str]) -> int:
+    if argv[0] == "load":
+        socket, out_dir, index, seed = argv[1:]
+        LoadClient(socket, out_dir, int(index), int(seed)).run()
+    elif argv[0] == "spawner":
+        spawner(*argv[1:])
+    elif argv[0] == "serve-planted":
+        return serve_planted(argv[1:])
+    else:
+        raise SystemExit(f"usage: see {__name__}'s docstring")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
