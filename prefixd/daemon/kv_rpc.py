@@ -22,18 +22,20 @@ leaves the stream's earlier chunks written; the refusal's message says how many 
 A client that wants all or nothing sends one chunk (``max_message_bytes`` allows it) or
 rewrites the range after fixing the cause: a write to private blocks is idempotent.
 
-NOTE (Attend runs on the loop): the kernel reads blocks that a release on the loop could hand
-to another sequence, so ``attend`` runs where the engine does. On a GPU the launch is
-asynchronous and the loop waits only for the output's copy to the host; on a CPU pool the
-reference kernel runs inline (a decode step of 16 x 2k tokens of the tiny layout is about a
-millisecond).
+NOTE (Attend's kernel may leave the loop): ``prepare_attend`` checks, writes the new K/V and
+builds the arguments on the loop, and returns the kernel as a callable the servicer may run on
+a worker thread (``attend`` runs both inline). On a GPU the launch is asynchronous and the wait
+is the output's copy to the host; on a CPU pool the reference kernel does the work: measured
+~70 ms for a decode step of 16 sequences x 2k tokens of the tiny layout (4 layers, 2 KV heads,
+head_dim 64, float16) on the shared 2-core dev host, against ~1 ms of checks, tables and
+encoding around it -- long enough that the loop should not wait for it.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 import torch
 
@@ -212,7 +214,9 @@ def _read_chunks(session, seq_id: int, start: int, n: int, per: int) -> Iterator
             live(session)
             owned_sequence(session, seq_id)
         kv = session.pool.read_kv(seq_id, at, k)
-        yield pb.ReadKVReply(chunk=to_kv_chunk(seq_id, at, kv))
+        reply = pb.ReadKVReply()
+        to_kv_chunk(seq_id, at, kv, out=reply.chunk)  # in place: see prefixd.api.tensors
+        yield reply
         at += k
         if at >= end:
             return
@@ -251,7 +255,14 @@ def _new_counts(request: pb.AttendRequest, seqs, num_rows: int) -> tuple[list[in
 
 
 def attend(session, request: pb.AttendRequest, max_bytes: int) -> pb.AttendReply:
-    """Paged attention over one layer of the session's device pool for a batch of sequences.
+    """``prepare_attend(...)()``: the whole call on the caller's thread."""
+    return prepare_attend(session, request, max_bytes)()
+
+
+def prepare_attend(session, request: pb.AttendRequest, max_bytes: int) -> Callable[[], pb.AttendReply]:
+    """Paged attention over one layer of the session's device pool for a batch of sequences:
+    checks, writes the new K/V and builds the kernel's arguments now (on the loop), and returns
+    the rest (the kernel and the reply's encoding), which may run on a worker thread.
 
     Decode (no ``query_start_loc``): ``query`` is ``[num_seqs, num_q_heads, head_dim]``, the
     last token of each sequence. Extend: ``query`` packs each sequence's last ``n_b`` tokens,
@@ -261,16 +272,22 @@ def attend(session, request: pb.AttendRequest, max_bytes: int) -> pb.AttendReply
 
     Everything is checked before anything is written: a refused call changes nothing.
 
+    NOTE (the kernel off the loop): the returned computation only reads the pool, so running
+    it on a thread cannot corrupt anything; its output is right as long as the client holds
+    its sequences until the reply (one that releases a sequence mid-call may read slots
+    reused within its own tenant's pool, which a mapped client can read anyway).
+
     Returns:
-        ``AttendReply`` whose ``output`` is shaped like ``query``, in the layout's dtype.
+        A callable returning the ``AttendReply``, whose ``output`` is shaped like ``query``,
+        in the layout's dtype.
 
     Raises:
         RpcFailure: NOT_FOUND (session ended, a sequence it does not own); INVALID_ARGUMENT
-            (no or repeated sequences, a layer out of range, a query or
-            new K/V of the wrong dtype / shape / byte length, q heads not a multiple of the
-            KV heads, bad ``query_start_loc``, more new tokens than a sequence has, a bad
-            scale, a float8 layout); FAILED_PRECONDITION (new K/V into a shared block);
-            RESOURCE_EXHAUSTED (the output would not fit in ``max_bytes``).
+            (no or repeated sequences, a layer out of range, a query or new K/V of the
+            wrong dtype / shape / byte length, q heads not a multiple of the KV heads, bad
+            ``query_start_loc``, more new tokens than a sequence has, a bad scale, a float8
+            layout); FAILED_PRECONDITION (new K/V into a shared block); RESOURCE_EXHAUSTED
+            (the output would not fit in ``max_bytes``).
     """
     live(session)
     layout, pool = session.layout, session.pool
@@ -324,20 +341,25 @@ def attend(session, request: pb.AttendRequest, max_bytes: int) -> pb.AttendReply
         slots = [seq.block_table[p // bs] * bs + p % bs
                  for seq, n in zip(seqs, counts) for p in range(seq.num_tokens - n, seq.num_tokens)]
         write_layer_kv(new_k.to(device), new_v.to(device), k_cache, v_cache,
-                 torch.tensor(slots, dtype=torch.int64, device=device))
+                       torch.tensor(slots, dtype=torch.int64, device=device))
     width = max(len(seq.block_table) for seq in seqs)
-    tables = torch.zeros((len(seqs), width), dtype=torch.int32)
-    for row, seq in zip(tables, seqs):
-        row[:len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+    tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs],
+                          dtype=torch.int32, device=device)
     lens = [seq.num_tokens for seq in seqs]
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     loc = None
     if extend:
         loc = torch.tensor(list(request.query_start_loc), dtype=torch.int32, device=device)
-    out = paged_attention(q.to(device), k_cache, v_cache, tables.to(device),
-                          torch.tensor(lens, dtype=torch.int32, device=device),
-                          query_start_loc=loc, scale=scale, max_seq_len=max(lens),
-                          max_query_len=max(counts))
-    return pb.AttendReply(output=to_tensor_msg(out))
+    query = q.to(device)
+
+    def compute() -> pb.AttendReply:
+        out = paged_attention(query, k_cache, v_cache, tables, seq_lens, query_start_loc=loc,
+                              scale=scale, max_seq_len=max(lens), max_query_len=max(counts))
+        reply = pb.AttendReply()
+        to_tensor_msg(out, out=reply.output)  # in place: see prefixd.api.tensors
+        return reply
+
+    return compute
 
 
 # -- pool descriptors (Attach) -----------------------------------------------------------------

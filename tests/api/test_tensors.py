@@ -10,10 +10,11 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
+from prefixd.api import prefixd_pb2 as pb
 from prefixd.api.layout import KVLayout
 from prefixd.api.tensors import (
-    DTYPES, cuda_ipc_handle, from_tensor_msg, load_cuda_ipc, tensor_from_bytes,
-    to_tensor_msg,
+    DTYPES, cuda_ipc_handle, from_kv_chunk, from_tensor_msg, load_cuda_ipc, tensor_from_bytes,
+    to_kv_chunk, to_tensor_msg,
 )
 
 
@@ -33,6 +34,17 @@ def test_decoding_views_the_bytes_without_a_copy():
     back = tensor_from_bytes(data, [6], "float32")
     assert back.data_ptr() == np.frombuffer(data, dtype=np.uint8).ctypes.data
     assert back.tolist() == list(range(6))
+
+
+def test_messages_fill_a_reply_field_in_place():
+    reply = pb.ReadKVReply()
+    kv = torch.arange(24, dtype=torch.float16).view(1, 2, 3, 2, 2)
+    assert to_kv_chunk(7, 5, kv, out=reply.chunk) is reply.chunk
+    assert (reply.chunk.seq_id, reply.chunk.start, reply.chunk.num_tokens) == (7, 5, 3)
+    assert from_kv_chunk(reply.chunk).tolist() == kv.tolist()
+    attend = pb.AttendReply()
+    to_tensor_msg(kv[0, 0], out=attend.output)
+    assert list(attend.output.shape) == [3, 2, 2] and from_tensor_msg(attend.output).tolist() == kv[0, 0].tolist()
 
 
 def test_empty_tensors_round_trip():

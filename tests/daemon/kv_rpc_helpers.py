@@ -44,7 +44,9 @@ def kv_for(first: int, n: int, seed: int = 0, layout=LAYOUT) -> torch.Tensor:
 
 
 def request(session, seq_id, start, kv) -> pb.WriteKVRequest:
-    return pb.WriteKVRequest(session_id=session.id, chunk=to_kv_chunk(seq_id, start, kv))
+    req = pb.WriteKVRequest(session_id=session.id)
+    to_kv_chunk(seq_id, start, kv, out=req.chunk)
+    return req
 
 
 def write(session, requests, max_bytes=MAX_BYTES) -> int:

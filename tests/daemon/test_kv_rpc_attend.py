@@ -213,3 +213,18 @@ def test_attend_refuses_a_float8_layout(tmp_path):
         failure = refusal(lambda: kv_rpc.attend(s, pb.AttendRequest(session_id=s.id, seq_ids=[seq.id]),
                                                 MAX_BYTES))
         assert failure.code is Code.INVALID_ARGUMENT and "compute attention in the client" in failure.message
+
+
+def test_prepare_writes_the_new_kv_before_returning_the_kernel(env):
+    """The write is the part that must run on the loop (it changes the pool); the returned
+    callable only reads, so a servicer may run it on a worker thread."""
+    pool, _, s = env
+    ids = seq_ids(pool)
+    q, new_k, new_v = _q(), _kv(), _kv()
+    compute = kv_rpc.prepare_attend(s, attend_request(s, ids, q, new_k=new_k, new_v=new_v), MAX_BYTES)
+    for b, sid in enumerate(ids):
+        t = pool.sequence(sid).num_tokens
+        torch.testing.assert_close(pool.read_kv(sid, t - 1, 1)[1, :, 0], torch.stack([new_k[b], new_v[b]]),
+                                   rtol=0, atol=0)
+    out = from_tensor_msg(compute().output)
+    torch.testing.assert_close(out[:1], dense(pool, ids[0], 1, q[:1]))

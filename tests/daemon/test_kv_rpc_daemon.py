@@ -50,8 +50,14 @@ def random_kv(n, seed):
     return torch.randn((4, 2, n, 2, 64), generator=g).to(torch.float16)
 
 
+def chunk_request(sid, seq_id, start, kv):
+    req = pb.WriteKVRequest(session_id=sid)
+    to_kv_chunk(seq_id, start, kv, out=req.chunk)
+    return req
+
+
 def write(stub, sid, seq_id, start, kv):
-    reqs = [pb.WriteKVRequest(session_id=sid, chunk=to_kv_chunk(seq_id, start + i, kv[:, :, i:i + CHUNK]))
+    reqs = [chunk_request(sid, seq_id, start + i, kv[:, :, i:i + CHUNK])
             for i in range(0, kv.shape[2], CHUNK)]
     return stub.WriteKV(iter(reqs)).written_tokens
 
@@ -94,7 +100,7 @@ def test_writekv_into_a_committed_block_is_refused_and_changes_nothing(conn):
 def test_a_chunk_over_the_message_limit_is_resource_exhausted(conn):
     stub, sid = conn
     seq = open_seq(stub, sid, 9000, 40)
-    big = pb.WriteKVRequest(session_id=sid, chunk=to_kv_chunk(seq.seq_id, 0, random_kv(40, seed=4)))
+    big = chunk_request(sid, seq.seq_id, 0, random_kv(40, seed=4))
     with pytest.raises(grpc.RpcError) as err:
         stub.WriteKV(iter([big]))
     assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
