@@ -193,8 +193,13 @@ class Session(Attachment):
             raise InvalidArgument(f"layer must be in 0..{self.layout.num_layers - 1}, got {layer}")
         pool = self.pool
         if pool is not None and (new_k is None or self._new_tokens_private(seqs, q, query_start_loc)):
-            return pool.attend(seqs, q, layer=layer, new_k=new_k, new_v=new_v,
-                               query_start_loc=query_start_loc, scale=scale)
+            try:
+                return pool.attend(seqs, q, layer=layer, new_k=new_k, new_v=new_v,
+                                   query_start_loc=query_start_loc, scale=scale)
+            except InvalidArgument:
+                raise
+            except ValueError as exc:  # the kernels' checks (dtype, heads, strides)
+                raise InvalidArgument(str(exc)) from None
         return self._call(lambda: remote_kv.attend(self._stub, self.id, [s.id for s in seqs], q, layer=layer,
                                                    new_k=new_k, new_v=new_v, query_start_loc=query_start_loc,
                                                    scale=scale, timeout=self._timeout),

@@ -97,6 +97,8 @@ def test_bad_arguments_are_refused_before_anything_is_sent(session):
         session.write_kv(seq, 0, kv(1, 0).half())
     with pytest.raises(pc.InvalidArgument, match="one query per sequence"):
         session.attend([seq], torch.zeros(2, 4, LAYOUT.head_dim))
+    with pytest.raises(pc.InvalidArgument, match="dtype"):
+        session.attend([seq], torch.zeros(1, 4, LAYOUT.head_dim, dtype=torch.float16))
 
 
 def test_mapped_and_rpc_paths_read_and_write_identical_bytes(daemon):
