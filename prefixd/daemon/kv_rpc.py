@@ -128,7 +128,7 @@ def _chunk_kv(session, chunk: pb.KVChunk, max_bytes: int):
     if chunk.dtype != layout.dtype:
         raise invalid(f"chunk dtype must be the layout's {layout.dtype!r}, got {chunk.dtype!r}")
     data = chunk.data  # NOTE: protobuf (upb) copies a bytes field at every access: read it once
-    if len(data) + MESSAGE_OVERHEAD > max_bytes:
+    if len(data) > max_bytes:  # a message gRPC let in is never refused for our overhead guess
         raise exhausted(f"a chunk of {len(data)} bytes is over the message limit of "
                         f"{max_bytes} bytes: send at most {tokens_per_chunk(layout, max_bytes)} "
                         f"tokens per chunk")
@@ -316,6 +316,8 @@ def prepare_attend(session, request: pb.AttendRequest, max_bytes: int) -> Callab
         raise exhausted(f"the output ({out_bytes} bytes, like the query) would not "
                         f"fit in the message limit of {max_bytes} bytes: split the batch")
     counts, extend = _new_counts(request, seqs, q.shape[0])
+    if not q.shape[0]:
+        raise invalid("an extend needs at least one query row (query_start_loc ends at 0)")
     for seq, n in zip(seqs, counts):
         if n > seq.num_tokens:
             raise invalid(f"sequence {seq.id} has {seq.num_tokens} tokens, fewer than its {n} "

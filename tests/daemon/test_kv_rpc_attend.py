@@ -174,6 +174,7 @@ REFUSALS = [
     (lambda s, ids: attend_request(s, ids, _q(6), loc=[1, 2, 4, 6]), Code.INVALID_ARGUMENT, "from 0"),
     (lambda s, ids: attend_request(s, ids, _q(6), loc=[0, 2, 4, 5]), Code.INVALID_ARGUMENT, "to the query's 6 rows"),
     (lambda s, ids: attend_request(s, ids, _q(6), loc=[0, 4, 3, 6]), Code.INVALID_ARGUMENT, "must not decrease"),
+    (lambda s, ids: attend_request(s, ids, _q(0), loc=[0, 0, 0, 0]), Code.INVALID_ARGUMENT, "at least one query row"),
     (lambda s, ids: attend_request(s, ids, _q(9), loc=[0, 1, 2, 9]), Code.INVALID_ARGUMENT, "fewer than its 7 query rows"),
     (lambda s, ids: attend_request(s, ids, _q(), scale=-1.0), Code.INVALID_ARGUMENT, "scale must be"),
     (lambda s, ids: attend_request(s, ids, _q(), scale=float("nan")), Code.INVALID_ARGUMENT, "scale must be"),
