@@ -196,3 +196,19 @@ def test_connect_without_a_daemon_fails_at_once(tmp_path):
     with pytest.raises(pc.Unavailable):
         pc.connect(str(tmp_path / "none.sock"), LAYOUT)
     assert time.monotonic() - t0 < 10, "no socket: no waiting out the reconnect backoff"
+
+
+def test_a_not_found_sequence_is_not_mistaken_for_a_daemon_restart(daemon):
+    """Bug it guards: a NOT_FOUND for an unknown sequence made the session re-attach, and the
+    re-attach dropped every sequence it held."""
+    from prefixd.api import prefixd_pb2 as pb
+
+    with pc.connect(daemon.socket, LAYOUT) as s:
+        seq = s.open(prompt(9500, 5))
+        session_id = s.id
+        bogus = pc.Sequence(pb.SequenceReply(seq_id=987654321, num_tokens=1))
+        with pytest.raises(pc.NotFound):
+            s.extend(bogus, [1])
+        assert s.id == session_id and s.recoveries == 0
+        s.extend(seq, [1])
+        assert len(seq) == 6
