@@ -69,7 +69,7 @@ class CtlExit(Exception):
 
 
 @dataclasses.dataclass
-class Daemon:
+class Connection:
     """One connection to the daemon: the stub, the socket and the call deadline."""
 
     socket: str
@@ -137,20 +137,20 @@ def unreachable(path: str, exc: grpc.RpcError | None = None) -> str:
 # -- commands -------------------------------------------------------------------------------------
 
 
-def cmd_status(daemon: Daemon, args) -> int:
+def cmd_status(daemon: Connection, args) -> int:
     reply = daemon.status()
     print(ctl_render.status_text(reply, daemon.socket))
     return EXIT_OK if reply.state == "serving" else EXIT_NOT_SERVING
 
 
-def cmd_stats(daemon: Daemon, args) -> int:
+def cmd_stats(daemon: Connection, args) -> int:
     daemon.serving_status()
     reply = daemon.call("Stats", pb.StatsRequest())
     print(ctl_render.stats_json(reply) if args.json else ctl_render.stats_table(reply))
     return EXIT_OK
 
 
-def cmd_checkpoint(daemon: Daemon, args) -> int:
+def cmd_checkpoint(daemon: Connection, args) -> int:
     daemon.serving_status()
     # A checkpoint of large logs takes a while: no deadline unless --timeout was given.
     reply = daemon.call("Checkpoint", pb.CheckpointRequest(), timeout=args.timeout)
@@ -167,7 +167,7 @@ def prepare_lookup(args) -> None:
         raise CtlExit(EXIT_USAGE, f"prefixctl lookup: {exc}") from None
 
 
-def cmd_lookup(daemon: Daemon, args) -> int:
+def cmd_lookup(daemon: Connection, args) -> int:
     tokens = args.token_ids
     layout = pick_layout(daemon.serving_status(), args.model)
     attach = daemon.call("Attach", pb.AttachRequest(client_name="prefixctl", layout=layout))
@@ -190,7 +190,7 @@ def pick_layout(status: pb.StatusReply, model: str | None) -> pb.KVLayout:
         raise CtlExit(EXIT_FAILED, f"prefixctl lookup: {exc}") from None
 
 
-def cmd_not_yet(daemon: Daemon | None, args) -> int:
+def cmd_not_yet(daemon: Connection | None, args) -> int:
     raise CtlExit(EXIT_FAILED, f"prefixctl {args.command}: not there yet (arrives with a later "
                                f"release); `prefixctl status` and `prefixctl stats` work today")
 
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.exists(path):
             raise CtlExit(EXIT_UNREACHABLE, unreachable(path))
         with grpc.insecure_channel("unix:" + path) as channel:
-            return args.run(Daemon(path, pb_grpc.PrefixCacheStub(channel), timeout), args)
+            return args.run(Connection(path, pb_grpc.PrefixCacheStub(channel), timeout), args)
     except CtlExit as exc:
         print(exc.message, file=sys.stderr)
         return exc.code
