@@ -160,8 +160,8 @@ def _too_big(s, table, pool, seq):
 
 
 @pytest.mark.parametrize("make,code,words", [
-    (_not_owned, Code.NOT_FOUND, "is not open in session"),
-    (_unknown, Code.NOT_FOUND, "is not open in session"),
+    (_not_owned, Code.NOT_FOUND, r"sequence \d+"),
+    (_unknown, Code.NOT_FOUND, "sequence 10000"),
     (_committed, Code.FAILED_PRECONDITION, r"block 1, which is indexed.*only tokens 8\.\.10"),
     (_fork_tail, Code.FAILED_PRECONDITION, "shared with forked siblings"),
     (_bad_dtype, Code.INVALID_ARGUMENT, "dtype must be the layout's 'float32'"),

@@ -162,7 +162,7 @@ def _not_owned(s, ids):
 REFUSALS = [
     (lambda s, ids: attend_request(s, [], _q(0)), Code.INVALID_ARGUMENT, "at least one"),
     (lambda s, ids: attend_request(s, [ids[0], ids[0]], _q(2)), Code.INVALID_ARGUMENT, "twice"),
-    (_not_owned, Code.NOT_FOUND, "is not open in session"),
+    (_not_owned, Code.NOT_FOUND, r"sequence \d+"),
     (lambda s, ids: attend_request(s, ids, _q(), layer=2), Code.INVALID_ARGUMENT, "layer 2 is out of range"),
     (lambda s, ids: pb.AttendRequest(session_id=s.id, seq_ids=ids), Code.INVALID_ARGUMENT, "needs a query"),
     (lambda s, ids: attend_request(s, ids, _q(heads=3)), Code.INVALID_ARGUMENT, "multiple of num_kv_heads=2"),
