@@ -187,7 +187,9 @@ def test_detach_releases_what_the_session_held(daemon):
     s = pc.connect(daemon.socket, LAYOUT)
     seqs = [s.open(prompt(9000 + 10 * i, 5)) for i in range(3)]
     s.release(seqs[0])
+    thread = s._keepalive._thread
     assert s.close() == 2
+    assert not thread.is_alive(), "the keep-alive thread ends with the session"
     assert all(q.released for q in seqs) and s.close() == 0
 
 

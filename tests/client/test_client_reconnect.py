@@ -15,13 +15,15 @@ def kv(n, seed):
 
 
 def test_after_kill9_sessions_reattach_and_reclaim_what_was_committed():
-    """Two sessions meet the same restart two ways: the mapped one through its keep-alive
+    """Sessions meet the same restart three ways: the mapped one through its keep-alive
     thread (recovers in the background), the rpc one through a call (its keep-alive's report
-    is switched off, so the failed call itself recovers)."""
+    is switched off, so the failed call itself recovers), and one whose backoff gives up while
+    the daemon is down and recovers at its next call."""
     committed, uncommitted, other = list(range(100, 110)), list(range(200, 206)), list(range(300, 309))
     x, y = kv(10, 1), kv(9, 2)
     with start_daemon() as d, pc.connect(d.socket, LAYOUT, name="m", mapped=True) as m, \
-            pc.connect(d.socket, LAYOUT, name="r", mapped=False) as r:
+            pc.connect(d.socket, LAYOUT, name="r", mapped=False) as r, \
+            pc.connect(d.socket, LAYOUT, name="u", backoff=pc.Backoff(total_s=0.3)) as u:
         a = m.open(committed)
         m.write_kv(a, 0, x)
         m.commit(a, durability="crash")
@@ -32,6 +34,8 @@ def test_after_kill9_sessions_reattach_and_reclaim_what_was_committed():
         old_ids = m.id, r.id
         r._keepalive._on_lost = lambda error: None
         d.kill()
+        with pytest.raises(pc.Unavailable, match="did not come back"):
+            u.lookup(committed)  # a bounded backoff gives up while no daemon runs
         d.start(wait=False)
 
         # The call meets the restart: it recovers, then raises because extend is not idempotent.
@@ -58,5 +62,6 @@ def test_after_kill9_sessions_reattach_and_reclaim_what_was_committed():
         assert b.lost
         with pytest.raises(pc.NotFound, match="open the prompt again"):
             m.extend(b, [1])
-        m.check_invariants()
-        r.check_invariants()
+        assert u.lookup(committed) == 8, "the session that gave up recovers at its next call"
+        for s in (m, r, u):
+            s.check_invariants()
