@@ -1,0 +1,177 @@
+"""The daemon ``bench/rpc.py`` measures: its own ``prefixd serve`` process (as
+``tests/daemon/harness.py`` starts one), optionally under cProfile, and what its log holds.
+
+The state directory and socket sit in a short ``/tmp`` directory (a Unix socket path holds 107
+bytes) on the same file system as the floor's LMDB environment; the pools live in a fresh
+directory of ``/dev/shm`` (shared memory, as in production), removed at the end.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+import lmdb
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from prefixd.wal.codec import decode, unpack_key
+from prefixd.wal.env import MAX_DBS
+from prefixd.wal.kinds import Kind
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CONFIG = """
+[engine]
+sync = "commit"
+shm_dir = "{shm}"
+reclaim_grace_s = 30.0
+
+[engine.blocks]
+device = {device}
+host = {host}
+disk = {disk}
+
+[engine.blocks.models."{tiny}"]
+device = {tiny_device}
+host = 256
+disk = 0
+
+[daemon]
+lease_s = 30.0
+"""
+
+
+class BenchDaemon:
+    """One daemon process over ``base/state`` on ``base/s.sock``; a context manager.
+
+    Args:
+        blocks: ``(device, host, disk)`` blocks of the gsp layout's pool.
+        tiny: ``(model_id, device blocks)`` of the KV / Attend layout's pool.
+        profile: a path: run the daemon under ``python -m cProfile -o profile`` (written at
+            the clean stop).
+    """
+
+    def __init__(self, blocks: tuple[int, int, int], tiny: tuple[str, int],
+                 profile: str | None = None) -> None:
+        self.base = tempfile.mkdtemp(prefix="pdb-", dir="/tmp")
+        self.shm = tempfile.mkdtemp(prefix="prefixd-bench-", dir="/dev/shm")
+        self.state_dir = os.path.join(self.base, "state")
+        self.socket = os.path.join(self.base, "s.sock")
+        self.config_path = os.path.join(self.base, "prefixd.toml")
+        self.log_path = os.path.join(self.base, "daemon.log")
+        device, host, disk = blocks
+        with open(self.config_path, "w") as f:
+            f.write(CONFIG.format(shm=self.shm, device=device, host=host, disk=disk,
+                                  tiny=tiny[0], tiny_device=tiny[1]))
+        self.profile = profile
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    def __enter__(self) -> "BenchDaemon":
+        self._log = open(self.log_path, "ab")
+        prof = ["-m", "cProfile", "-o", self.profile] if self.profile else []
+        self.proc = subprocess.Popen(
+            [sys.executable, *prof, "-m", "prefixd.daemon.cli", "serve", "--config",
+             self.config_path, "--state-dir", self.state_dir, "--socket", self.socket],
+            stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=ROOT))
+        try:
+            self._wait_serving(120.0)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _wait_serving(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            if os.path.exists(self.socket):
+                try:
+                    with grpc.insecure_channel("unix:" + self.socket) as ch:
+                        reply = health_pb2_grpc.HealthStub(ch).Check(
+                            health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+            time.sleep(0.05)
+        raise RuntimeError(f"daemon not serving after {timeout} s:\n{self.log()}")
+
+    def stop(self) -> int:
+        """SIGTERM (a clean stop writes the profile); returns the exit status."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read().decode("utf-8", "replace")[-8000:]
+        except OSError:
+            return ""
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        if self._log is not None:
+            self._log.close()
+        shutil.rmtree(self.base, ignore_errors=True)
+        shutil.rmtree(self.shm, ignore_errors=True)
+
+    # -- the log ---------------------------------------------------------------------------------
+
+    def wal_dir(self, model_id: str) -> str:
+        found = glob.glob(os.path.join(self.state_dir, "pools", "*", model_id + "-*", "wal"))
+        if len(found) != 1:
+            raise RuntimeError(f"expected one WAL of pool {model_id!r}, found {found}")
+        return found[0]
+
+    def last_lsn(self, model_id: str) -> int:
+        return max((lsn for lsn, _, _ in self._records(model_id, 0)), default=0)
+
+    def request_record_bytes(self, model_id: str, after_lsn: int) -> dict:
+        """Bytes (keys + values) the engine logged per request after ``after_lsn``, for one
+        client's serial requests: each request's records start with its OPEN record."""
+        per_request: list[int] = []
+        records = 0
+        for _, kind, size in self._records(model_id, after_lsn):
+            if kind == Kind.OPEN or not per_request:
+                per_request.append(0)
+            per_request[-1] += size
+            records += 1
+        if not per_request:
+            raise RuntimeError("the daemon logged nothing for the measured requests")
+        return {"requests": len(per_request), "records": records,
+                "median_bytes": int(statistics.median(per_request)),
+                "mean_bytes": round(sum(per_request) / len(per_request), 1)}
+
+    def _records(self, model_id: str, after_lsn: int):
+        """``(lsn, kind, key + value bytes)`` of the pool's log records past ``after_lsn``,
+        read through LMDB's multi-process readers while the daemon writes."""
+        env = lmdb.open(self.wal_dir(model_id), readonly=True, lock=True, max_dbs=MAX_DBS,
+                        subdir=True)
+        try:
+            db = env.open_db(b"log", create=False)
+            with env.begin(db=db, buffers=False) as txn:
+                for key, value in txn.cursor():
+                    lsn = unpack_key(key)
+                    if lsn > after_lsn:
+                        yield lsn, decode(lsn, value).kind, len(key) + len(value)
+        finally:
+            env.close()
