@@ -16,6 +16,7 @@ import functools
 import json
 import logging
 import os
+import shutil
 import time
 
 import grpc
@@ -26,7 +27,8 @@ from prefixd.api import prefixd_pb2_grpc as pb_grpc
 from prefixd.api.layout import KVLayout, as_token_bytes
 from prefixd.daemon.core import RECOVERING, DaemonCore
 from prefixd.daemon.sessions import Session
-from prefixd.daemon.status import RpcFailure, invalid, status_of
+from prefixd.daemon.status import RpcFailure, exhausted, invalid, status_of
+from prefixd.storage.errors import StorageError
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +94,26 @@ def layout_of(msg: pb.KVLayout) -> KVLayout:
         raise invalid(f"bad KV layout: {exc}") from None
 
 
+def _check_pool_fits(config, state_dir: str, layout: KVLayout) -> None:
+    """RESOURCE_EXHAUSTED unless a new pool of ``layout`` fits where its files go: DEVICE
+    (unless on a GPU) and HOST in ``shm_dir``, DISK in the state directory. Checked before
+    the engine makes any file: a pool file made before a later one fails stays behind."""
+    device, host, disk = config.blocks_for(layout).as_tuple()
+    shm = host + (device if config.use_cuda is not True else 0)
+    os.makedirs(config.shm_dir, exist_ok=True)
+    need: dict[int, list] = {}
+    for where, blocks in ((config.shm_dir, shm), (state_dir, disk)):
+        entry = need.setdefault(os.stat(where).st_dev, [where, 0])
+        entry[1] += blocks * layout.block_bytes
+    for where, nbytes in need.values():
+        st = os.statvfs(where)
+        free = st.f_bavail * st.f_frsize
+        if nbytes > free:
+            raise exhausted(f"a pool of layout {layout.model_id!r} needs {nbytes} bytes in "
+                            f"{where}, which has {free} free: use a smaller layout, or ask the "
+                            f"operator for a smaller [engine.blocks.models.\"{layout.model_id}\"]")
+
+
 def _kv():
     from prefixd.daemon import kv_rpc  # TODO(lead): top-level import once kv_rpc lands
 
@@ -139,13 +161,34 @@ class PrefixCacheService(pb_grpc.PrefixCacheServicer):
         self.core.sessions.ping(session)
         return session
 
+    def _pool(self, layout: KVLayout):
+        """The tenant's pool of ``layout``; a new one only within the tenant's pool limit and
+        when its files fit (RESOURCE_EXHAUSTED otherwise).
+
+        NOTE: the engine writes a new pool's manifest before it makes the pool's files; a
+        pool whose files then fail is removed here, or every later start would fail opening it
+        (a single Attach with a huge layout bricked the daemon's next start).
+        """
+        engine = self.core.engine
+        mine = [info.layout for info in engine.pools() if info.tenant == self.tenant]
+        if layout in mine:
+            return engine.pool(self.tenant, layout)
+        self.core.sessions.check_new_pool(self.tenant, len(mine))
+        _check_pool_fits(self.core.engine_config, self.core.state_dir, layout)
+        path = engine.pool_path(self.tenant, layout)
+        try:
+            return engine.pool(self.tenant, layout)
+        except StorageError as exc:
+            shutil.rmtree(path, ignore_errors=True)
+            raise exhausted(f"cannot make a pool for layout {layout.model_id!r}: {exc}") from None
+
     # -- sessions ------------------------------------------------------------------------------
 
     @rpc
     async def Attach(self, request, context):
         layout = layout_of(request.layout)
         name = request.client_name[:128] or "unnamed"
-        pool = self.core.engine.pool(self.tenant, layout)
+        pool = self._pool(layout)
         session = self.core.sessions.attach(self.tenant, name, layout, pool)
         return pb.AttachReply(session_id=session.id, lease_s=self.core.config.lease_s,
                               pools=_kv().pool_descriptors(pool), tenant=self.tenant,

@@ -31,6 +31,9 @@ class Limits:
     sequences_per_tenant: int = 16384
     blocks_per_session: int = 1 << 22
     blocks_per_tenant: int = 1 << 24
+    # NOTE: every new layout a client attaches with makes a pool (files, a log, memory) that
+    # lives on and is opened at every start: a tenant gets a few, not one per request.
+    pools_per_tenant: int = 16
 
 
 @dataclass(eq=False)
@@ -139,6 +142,14 @@ class SessionTable:
         if blocks + new_blocks > lim.blocks_per_tenant:
             raise exhausted(f"tenant {session.tenant!r} holds {blocks} blocks, the limit is "
                             f"{lim.blocks_per_tenant}")
+
+    def check_new_pool(self, tenant: str, num_pools: int) -> None:
+        """Raises RESOURCE_EXHAUSTED if ``tenant``, holding ``num_pools``, may not get another."""
+        if num_pools >= self.limits.pools_per_tenant:
+            raise exhausted(f"tenant {tenant!r} has {num_pools} pools (one per KV layout), the "
+                            f"limit is {self.limits.pools_per_tenant}: attach with the layout of "
+                            f"an existing pool, or ask the operator to raise "
+                            f"[daemon.limits] pools_per_tenant")
 
     def end(self, session: Session, reason: str) -> int:
         """End ``session``: release (without commit) every sequence it holds. Returns how many.

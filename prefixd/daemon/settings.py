@@ -16,6 +16,7 @@ policies, tenants), ``[daemon]`` is this::
     sequences_per_tenant = 16384
     blocks_per_session = 4194304
     blocks_per_tenant = 16777216
+    pools_per_tenant = 16                 # one pool per KV layout attached with
 
     [[daemon.sockets]]                    # optional, per tenant: path, owner, group, mode
     tenant = "default"
@@ -97,7 +98,7 @@ class DaemonConfig:
             raise ConfigError(f"daemon.log_level must be one of {', '.join(LOG_LEVELS)}, got "
                               f"{self.log_level!r}")
         for key in ("sequences_per_session", "sequences_per_tenant", "blocks_per_session",
-                    "blocks_per_tenant"):
+                    "blocks_per_tenant", "pools_per_tenant"):
             value = getattr(self.limits, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"daemon.limits.{key} must be an integer >= 1, got {value!r}")
