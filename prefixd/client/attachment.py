@@ -48,7 +48,8 @@ class Attachment:
         ``_live``: id -> ``Sequence`` for every handle opened, forked or reclaimed and not yet
         released (what a recovery updates). ``pool``: the mapped device pool, or None (rpcs).
         ``_generation``: bumped by each recovery that re-attached; a failed call recovers only
-        if no one has since its call started.
+        if no one has since its call started. ``_reclaim_from``: the session of before the
+        restart while a recovery has not yet had its Reclaim answered (0 otherwise).
 
     Invariants: every handle in ``_live`` is neither released nor lost and is keyed by its
     current id; at most one KeepAlive runs, and none after ``close()``.
@@ -71,7 +72,9 @@ class Attachment:
         self._live: dict[int, Sequence] = {}
         self._generation = 0
         self._last_reclaimed: list[Sequence] = []
+        self._reclaim_from = 0
         self._closed = False
+        self._detached = False
         self._keepalive: KeepAlive | None = None
         self.pool: MappedPool | None = None
         self.id = 0
@@ -97,10 +100,13 @@ class Attachment:
     def close(self) -> int:
         """Detach: the daemon releases every sequence still held (uncommitted blocks freed).
         Returns the sequences it released (0 if the daemon was gone). Idempotent."""
+        # Set before taking the lock: a recovery in flight (holding it) gives up at its next
+        # wait, and the stream Detach ends must not start a new one.
+        self._closed = True
         with self._lock:
-            if self._closed:
+            if self._detached:
                 return 0
-            self._closed = True  # before Detach: the stream it ends must not start a recovery
+            self._detached = True
             released = 0
             try:
                 released = self._stub.Detach(pb.DetachRequest(session_id=self.id), timeout=5.0).released_sequences
@@ -209,15 +215,22 @@ class Attachment:
                                                 renew_s=self._lease_renew).start()
                 return None
             self._stop_keepalive()
-            previous = self.id
+            # The session whose sequences to reclaim: the one before the restart, kept across
+            # a recovery that re-attached but failed before its Reclaim answered.
+            previous = self._reclaim_from or self.id
+            self._reclaim_from = previous
             self._attach(retry=True)
             try:
                 reply = self._stub.Reclaim(pb.ReclaimRequest(session_id=self.id, previous_session_id=previous),
                                            timeout=self._timeout)
             except grpc.RpcError as exc:
-                log.warning("reclaim failed, the session's sequences are lost previous=%#x error=%s",
-                            previous, from_rpc_error(exc))
+                err = from_rpc_error(exc)
+                if isinstance(err, Unavailable):  # down again: the next recovery reclaims
+                    raise err from None
+                log.warning("reclaim refused, the session's sequences are lost previous=%#x error=%s",
+                            previous, err)
                 reply = pb.ReclaimReply()
+            self._reclaim_from = 0
             handles = apply_reclaim(self._live, reply, self.layout.block_size)
             for seq_id in unknown_reclaimed(self._live, reply):
                 self._release_quietly(seq_id)
@@ -239,7 +252,7 @@ class Attachment:
                 err = from_rpc_error(exc)
             if not isinstance(err, Unavailable):
                 return False
-            wait = next(waits, None)
+            wait = next(waits, None) if not self._closed else None
             if wait is None:
                 raise Unavailable(f"the daemon on {self.socket_path} did not come back within "
                                   f"{self._backoff.total_s} s: {err.message}")
