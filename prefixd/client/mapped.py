@@ -75,8 +75,8 @@ class MappedPool:
                 f"{seq.num_indexed * bs} on may be written")
         write_tokens(self.tensor, seq.block_table, start, kv, self.block_size)
 
-    def read(self, seq, start: int, n: int) -> torch.Tensor:
-        return read_tokens(self.tensor, seq.block_table, start, n, self.block_size)
+    def read(self, seq, start: int, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        return read_tokens(self.tensor, seq.block_table, start, n, self.block_size, out)
 
     def attend(self, seqs, query: torch.Tensor, *, layer: int, new_k, new_v, query_start_loc,
                scale: float | None) -> torch.Tensor:

@@ -51,14 +51,16 @@ def write_kv(stub, session_id: int, seq_id: int, start: int, kv: torch.Tensor, b
 
 
 def read_kv(stub, session_id: int, seq_id: int, start: int, n: int, layout,
-            timeout: float | None) -> torch.Tensor:
-    """The KV of tokens ``start .. start + n``, assembled from the daemon's chunks.
+            timeout: float | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The KV of tokens ``start .. start + n``, assembled from the daemon's chunks into ``out``
+    (or a new CPU tensor).
 
     Raises:
         DataLoss: the stream covered another range than the one asked for.
     """
-    out = torch.empty((layout.num_layers, 2, n, layout.num_kv_heads, layout.head_dim),
-                      dtype=layout.torch_dtype())
+    if out is None:
+        out = torch.empty((layout.num_layers, 2, n, layout.num_kv_heads, layout.head_dim),
+                          dtype=layout.torch_dtype())
     got = 0
     request = pb.ReadKVRequest(session_id=session_id, seq_id=seq_id, start=start, num_tokens=n)
     for reply in stub.ReadKV(request, timeout=timeout):

@@ -169,14 +169,21 @@ class Session(Attachment):
                                               self.max_message_bytes, self._timeout),
                    idempotent=False, what="write_kv")
 
-    def read_kv(self, seq: Sequence, start: int, n: int):
-        """The KV of tokens ``start .. start + n`` of ``seq`` as a new tensor."""
+    def read_kv(self, seq: Sequence, start: int, n: int, *, out=None):
+        """The KV of tokens ``start .. start + n`` of ``seq``: a new tensor, or ``out``
+        (``[num_layers, 2, n, num_kv_heads, head_dim]`` of the layout's dtype, on any device)
+        filled in place, which spares a fresh allocation per read."""
         seq.check_live()
         self._check_range(seq, start, n)
+        if out is not None:
+            want = (self.layout.num_layers, 2, n, self.layout.num_kv_heads, self.layout.head_dim)
+            if tuple(out.shape) != want or out.dtype != self.layout.torch_dtype():
+                raise InvalidArgument(f"out must be {want} of {self.layout.dtype}, got "
+                                      f"{tuple(out.shape)} of {out.dtype}")
         if self.pool is not None:
-            return self.pool.read(seq, start, n)
+            return self.pool.read(seq, start, n, out)
         return self._call(lambda: remote_kv.read_kv(self._stub, self.id, seq.id, start, n, self.layout,
-                                                    self._timeout), idempotent=False, what="read_kv")
+                                                    self._timeout, out), idempotent=False, what="read_kv")
 
     def attend(self, seqs, q, *, layer: int = 0, new_k=None, new_v=None, query_start_loc=None,
                scale: float | None = None):

@@ -60,11 +60,17 @@ def write_tokens(pool: torch.Tensor, block_table, start: int, kv: torch.Tensor, 
             pool[slot:slot + k].copy_(src[i:i + k])
 
 
-def read_tokens(pool: torch.Tensor, block_table, start: int, n: int, block_size: int) -> torch.Tensor:
-    """A new ``[num_layers, 2, n, num_kv_heads, head_dim]`` tensor (on the pool's device) holding
-    the KV of tokens ``start .. start + n``."""
+def read_tokens(pool: torch.Tensor, block_table, start: int, n: int, block_size: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """A ``[num_layers, 2, n, num_kv_heads, head_dim]`` tensor holding the KV of tokens
+    ``start .. start + n``: ``out`` (any device, the pool's dtype; reusing one spares a fresh
+    allocation's page faults on every read) or a new tensor on the pool's device."""
     _, num_layers, _, _, num_kv_heads, head_dim = pool.shape
-    out = torch.empty((num_layers, 2, n, num_kv_heads, head_dim), dtype=pool.dtype, device=pool.device)
+    shape = (num_layers, 2, n, num_kv_heads, head_dim)
+    if out is None:
+        out = torch.empty(shape, dtype=pool.dtype, device=pool.device)
+    elif tuple(out.shape) != shape or out.dtype != pool.dtype:
+        raise ValueError(f"out must be {shape} of {pool.dtype}, got {tuple(out.shape)} of {out.dtype}")
     for off, slot, row, k in _partial_blocks(block_table, start, n, block_size):
         out[:, :, off:off + k].copy_(pool[slot, :, :, row:row + k])
     first, off, nb = _whole_blocks(start, n, block_size)

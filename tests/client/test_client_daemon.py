@@ -44,6 +44,8 @@ def test_every_session_method_round_trips(session):
     x = kv(10, 1)
     session.write_kv(seq, 0, x)
     assert torch.equal(session.read_kv(seq, 0, 10), x)
+    out = torch.empty_like(x[:, :, :7])
+    assert session.read_kv(seq, 3, 7, out=out) is out and torch.equal(out, x[:, :, 3:])
     assert session.commit(seq, durability="crash") == 2 and seq.num_indexed == 2
     assert session.lookup_tiers(tokens).device_tokens == 8
     session.extend(seq, [7, 7])

@@ -65,3 +65,15 @@ def test_many_scattered_runs_take_the_indexed_copy_and_agree():
     assert len(slot_runs(table)) > MAX_RUNS
     assert torch.equal(read_tokens(p, table, 0, n, BS), x)
     assert not p[1::2].any(), "an odd slot is in no table and must stay untouched"
+
+
+def test_read_into_a_given_tensor_fills_it_in_place():
+    p = pool()
+    table = [4, 9, 1]
+    x = kv(10, seed=5)
+    write_tokens(p, table, 0, x, BS)
+    out = torch.full_like(x[:, :, :7], -1.0)
+    assert read_tokens(p, table, 2, 7, BS, out) is out
+    assert torch.equal(out, x[:, :, 2:9])
+    with pytest.raises(ValueError, match="out must be"):
+        read_tokens(p, table, 2, 6, BS, out)
