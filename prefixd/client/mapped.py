@@ -78,6 +78,7 @@ class MappedPool:
     def read(self, seq, start: int, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
         return read_tokens(self.tensor, seq.block_table, start, n, self.block_size, out)
 
+    @torch.no_grad()
     def attend(self, seqs, query: torch.Tensor, *, layer: int, new_k, new_v, query_start_loc,
                scale: float | None) -> torch.Tensor:
         """Paged attention of ``seqs`` over this pool, computed here (see ``Session.attend``)."""

@@ -160,6 +160,7 @@ class Session(Attachment):
         self._check_range(seq, start, n)
         if not n:
             return
+        kv = kv.detach()  # a store into the pool must not join (or keep) an autograd graph
         pool = self.pool
         if pool is not None and (start // self.layout.block_size >= seq.shared_blocks()
                                  or start // self.layout.block_size < seq.num_indexed):
@@ -191,7 +192,7 @@ class Session(Attachment):
         extend: the new tokens packed, located by ``query_start_loc``) over layer ``layer`` of
         the pool, after writing ``new_k``/``new_v`` (``[tokens, num_kv_heads, head_dim]``) as
         the K/V of each sequence's last tokens. Computed here over the mapped pool, else by
-        the daemon (Attend). Returns a tensor like ``q``."""
+        the daemon (Attend). Returns a tensor like ``q`` (on its device)."""
         seqs = list(seqs)
         for s in seqs:
             s.check_live()
@@ -207,10 +208,11 @@ class Session(Attachment):
                 raise
             except ValueError as exc:  # the kernels' checks (dtype, heads, strides)
                 raise InvalidArgument(str(exc)) from None
-        return self._call(lambda: remote_kv.attend(self._stub, self.id, [s.id for s in seqs], q, layer=layer,
-                                                   new_k=new_k, new_v=new_v, query_start_loc=query_start_loc,
-                                                   scale=scale, timeout=self._timeout),
-                          idempotent=False, what="attend")
+        out = self._call(lambda: remote_kv.attend(self._stub, self.id, [s.id for s in seqs], q, layer=layer,
+                                                  new_k=new_k, new_v=new_v, query_start_loc=query_start_loc,
+                                                  scale=scale, timeout=self._timeout),
+                         idempotent=False, what="attend")
+        return out.to(q.device)
 
     def stats(self) -> dict[str, float]:
         """The tenant's counters and gauges (Prometheus-style names)."""
