@@ -11,10 +11,11 @@ with pc.connect(socket_path, layout, name="engine-0") as session:   # Attach ...
 ```
 
 Imports only ``prefixd.api`` and ``prefixd.kernels`` (tests/test_layering.py). Modules:
-``session`` (connect, Session, reconnect semantics), ``handles`` (Sequence, LookupResult),
+``session`` (connect, Session, reconnect semantics), ``attachment`` (channel, Attach/Detach,
+lease, recovery), ``handles`` (Sequence, LookupResult),
 ``errors`` (typed exceptions), ``keepalive`` (the lease thread), ``mapped`` (pool mappings and
 the mapped KV path), ``remote_kv`` (WriteKV / ReadKV / Attend), ``reconnect`` (backoff, reclaim),
-``wire`` (tokens and tensors on the wire), ``ctl`` (prefixctl).
+``wire`` (token ids on the wire), ``ctl`` (prefixctl).
 """
 
 from prefixd.api.layout import KVLayout
