@@ -88,12 +88,15 @@ def one_client(daemon, echo, prompts: list[bytes], warmup: int, rounds: int, lmd
     lmdb_commit = records = None
     measured = prompts[warmup:]
     per_round = -(-len(measured) // rounds)
+    txns = 0
     with pc.connect(daemon.socket, pc.KVLayout(**GSP_LAYOUT), name="bench-rpc") as session:
         gsp_requests(session, prompts[:warmup])
         lsn = daemon.last_lsn(model)
         for r in range(rounds):
             part = measured[r * per_round:(r + 1) * per_round]
+            txn0 = daemon.wal_txn_id(model)
             rpc_ns += gsp_requests(session, part, open_ns)
+            txns += daemon.wal_txn_id(model) - txn0
             if lmdb_commit is None:  # the engine's records of the first round's requests
                 records = daemon.request_record_bytes(model, lsn)
                 lmdb_commit = LmdbCommit(lmdb_dir, max(1, records["median_bytes"] - 8))
@@ -105,7 +108,7 @@ def one_client(daemon, echo, prompts: list[bytes], warmup: int, rounds: int, lmd
     return {
         "client": client, "mapped": mapped, "requests": len(rpc_ns), "warmup": warmup, "rounds": rounds,
         "message_bytes": {k: {"request": a, "reply": b} for k, (a, b) in sizes.items()},
-        "record_bytes": records,
+        "record_bytes": records, "wal_txns_per_request": round(txns / len(rpc_ns), 3),
         "rpc": {"p50_us": _us(rpc_ns), "p99_us": _us(rpc_ns, 0.99), "open_p50_us": _us(open_ns),
                 "release_p50_us": _us([a - b for a, b in zip(rpc_ns, open_ns)])},
         "floor": {"p50_us": _us(floor_ns), "p99_us": _us(floor_ns, 0.99),
@@ -123,7 +126,11 @@ def eight_clients(daemon, echo_path: str, prompts: list[bytes], per_worker: int,
     sizes = _sizes()
     floor = run_workers(echo_worker, [(echo_path, (sizes["open"], sizes["release"]), echo_pairs, warmup)
                                       for _ in range(WORKERS)])
+    model = GSP_LAYOUT["model_id"]
+    txn0 = daemon.wal_txn_id(model)
     rpc = run_workers(gsp_worker, [(daemon.socket, GSP_LAYOUT, s, warmup) for s in slices])
+    # every request of the run (warm-up included) against the WAL's write transactions
+    rpc["requests_per_wal_txn"] = round(sum(map(len, slices)) / max(1, daemon.wal_txn_id(model) - txn0), 2)
     return {"workers": WORKERS, "rpc": rpc, "floor": floor}
 
 

@@ -161,6 +161,19 @@ class BenchDaemon:
                 "median_bytes": int(statistics.median(per_request)),
                 "mean_bytes": round(sum(per_request) / len(per_request), 1)}
 
+    def wal_txn_id(self, model_id: str) -> int:
+        """LMDB's last committed write transaction of the pool's WAL: one per group commit
+        (and one per fsync, with ``sync = "commit"``), plus the rare checkpoint's; 0 before
+        the pool exists (its first Attach makes it)."""
+        if not glob.glob(os.path.join(self.state_dir, "pools", "*", model_id + "-*", "wal")):
+            return 0
+        env = lmdb.open(self.wal_dir(model_id), readonly=True, lock=True, max_dbs=MAX_DBS,
+                        subdir=True)
+        try:
+            return env.info()["last_txnid"]
+        finally:
+            env.close()
+
     def _records(self, model_id: str, after_lsn: int):
         """``(lsn, kind, key + value bytes)`` of the pool's log records past ``after_lsn``,
         read through LMDB's multi-process readers while the daemon writes."""

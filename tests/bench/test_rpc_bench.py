@@ -38,6 +38,7 @@ def test_rpc_bench_one_client_section_prints_rpc_and_floor():
     for key in ("p50_us", "p99_us", "echo_pair_p50_us"):
         assert _positive(out["floor"][key]), key
     assert out["one_client"]["record_bytes"]["median_bytes"] > 0
+    assert out["one_client"]["wal_txns_per_request"] > 0  # read from the daemon's WAL
     assert _positive(out["ratios"]["rpc_p50_over_floor"])
     assert out["ratios"]["kv_mapped_over_memcpy"] is None  # section not run: no made-up ratio
 
@@ -53,6 +54,7 @@ def test_rpc_bench_quick_prints_every_judged_key():
     assert _positive(out["kv"]["mapped_gbps"]) and _positive(out["kv"]["rpc_gbps"])
     assert _positive(out["attend"]["rpc_us"])
     assert out["eight_clients"]["workers"] == 8
+    assert _positive(out["eight_clients"]["rpc"]["requests_per_wal_txn"])
     for name in RATIOS:
         assert _positive(out["ratios"][name]), name
         assert name in out["targets"]
