@@ -173,8 +173,8 @@ class PrefixCacheService(pb_grpc.PrefixCacheServicer):
         mine = [info.layout for info in engine.pools() if info.tenant == self.tenant]
         if layout in mine:
             return engine.pool(self.tenant, layout)
-        self.core.sessions.check_new_pool(self.tenant, len(mine))
         _check_pool_fits(self.core.engine_config, self.core.state_dir, layout)
+        self.core.sessions.check_new_pool(self.tenant, len(mine))
         path = engine.pool_path(self.tenant, layout)
         try:
             return engine.pool(self.tenant, layout)
