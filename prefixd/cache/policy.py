@@ -102,6 +102,19 @@ class EvictionQueue:
             return node
         return None
 
+    def set_policy(self, policy) -> None:
+        """Order the queue by ``policy`` from now on (a live config change): every live entry
+        is re-keyed and the heap rebuilt, O(n); stale entries are dropped on the way.
+
+        NOTE: the lazy re-key in ``pop`` assumes keys only grow under one policy; across a
+        policy change they need not, so every entry gets its new key here, at once.
+        """
+        tier = self.tier
+        self.policy = policy
+        self._heap = [(policy.key(node), tag, node) for _, tag, node in self._heap
+                      if node.heap_tag[tier] == tag]
+        heapq.heapify(self._heap)
+
     def live_nodes(self) -> list:
         tier = self.tier
         return [node for _, tag, node in self._heap if node.heap_tag[tier] == tag]

@@ -63,6 +63,13 @@ class Tiering:
         self.pending_disk: list[Node] = []
         self.pending_disk_blocks = 0
 
+    def set_write_policy(self, write_policy: str) -> None:
+        """Use ``write_policy`` for runs indexed or evicted from now on (a live config change;
+        runs already placed stay where they are)."""
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        self.write_policy = write_policy
+
     # -- eviction ------------------------------------------------------------------------
 
     def evict(self, tier: int, num_blocks: int) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import os
 import sys
@@ -40,18 +39,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve_command(args) -> int:
     setup_logging("info")
+    from prefixd.daemon.reload import ConfigSource
     from prefixd.daemon.server import Daemon  # after logging: importing torch takes a moment
     from prefixd.engine.errors import EngineError
     from prefixd.wal.errors import StateLockedError, WalError
     from prefixd.storage.errors import StorageError
 
     try:
-        engine_config, config = daemon_config.load(args.config)
-        if args.socket:
-            config = dataclasses.replace(config, socket=os.path.abspath(args.socket))
+        source = ConfigSource(args.config, args.socket)  # a reload reads it the same way
+        engine_config, config = source.load()
         setup_logging(config.log_level)
         state_dir = os.path.abspath(args.state_dir or daemon_config.default_state_dir())
-        daemon = Daemon(state_dir, engine_config, config)
+        daemon = Daemon(state_dir, engine_config, config, source)
         return asyncio.run(daemon.run())
     except StateLockedError as exc:
         log.error("not starting: %s", exc)

@@ -34,6 +34,9 @@ from prefixd.api import prefixd_pb2 as pb
 from prefixd.api import prefixd_pb2_grpc as pb_grpc
 from prefixd.daemon.settings import DaemonConfig, TenantSocket
 from prefixd.daemon.core import SERVING, STOPPING, DaemonCore
+from prefixd.daemon.config_watch import ConfigWatch
+from prefixd.daemon.lifecycle import Lifecycle
+from prefixd.daemon.reload import ConfigSource, Reloader
 from prefixd.daemon.service import PrefixCacheService
 from prefixd.engine.config import EngineConfig
 from prefixd.engine.durable import TICK_PERIOD_S
@@ -57,9 +60,15 @@ class Daemon:
     ``core.engine`` is set only after recovery and used only on the loop's thread.
     """
 
-    def __init__(self, state_dir: str, engine_config: EngineConfig, config: DaemonConfig) -> None:
+    def __init__(self, state_dir: str, engine_config: EngineConfig, config: DaemonConfig,
+                 source: ConfigSource | None = None) -> None:
         self.state_dir = os.path.abspath(state_dir)
         self.core = DaemonCore(engine_config, config, self.state_dir)
+        # sd_notify (READY, STATUS, WATCHDOG, STOPPING) and the config reload: see lifecycle.py
+        self.lifecycle = Lifecycle(self.core)
+        self.source = source or ConfigSource(None)
+        self.reloader = Reloader(self.core, self.source, self.lifecycle)
+        self._watch: ConfigWatch | None = None
         self.sockets = config.socket_paths(engine_config, self.state_dir)
         self._servers: list[tuple[grpc.aio.Server, health.aio.HealthServicer]] = []
         self._bound: list[str] = []
@@ -77,16 +86,23 @@ class Daemon:
         try:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
+            loop.add_signal_handler(signal.SIGHUP, self.reloader.request, "SIGHUP")
+            if self.source.path is not None:
+                self._watch = ConfigWatch(self.source.path, loop, self.reloader.request)
+                self._watch.start()
             for sock in self.sockets:  # 2
                 await self._serve_socket(sock)
             log.info("listening sockets=%s state_dir=%s pid=%d", ",".join(self._bound),
                      self.state_dir, os.getpid())
             # 3: the engine recovers off the loop; Status answers meanwhile
             engine_lock, lock = lock, None  # the engine owns (and releases) it from here
+            self.lifecycle.recovering()
             self.core.engine = await loop.run_in_executor(
                 None, lambda: Engine(self.state_dir, self.core.engine_config, lock=engine_lock,
                                      progress=self.core.progress))
         except BaseException:
+            self.lifecycle.stopping()
+            self._stop_watch()
             await self._close_servers(0)
             if lock is not None:
                 lock.release()
@@ -97,6 +113,8 @@ class Daemon:
             await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving pools=%d epoch=%#x", len(self.core.engine.pools()), self.core.epoch)
         ticker = asyncio.create_task(self._tick())
+        await self.lifecycle.serving(list(self._bound))  # READY=1, then the watchdog loop
+        self.reloader.serving()
         await self._stop.wait()
         return await self._shutdown(ticker)
 
@@ -151,6 +169,8 @@ class Daemon:
     async def _shutdown(self, ticker: asyncio.Task) -> int:
         core = self.core
         core.state = STOPPING
+        self.lifecycle.stopping()
+        self._stop_watch()
         log.info("stopping sessions=%d in_flight=%d", len(core.sessions), core.in_flight)
         for _, health_servicer in self._servers:
             await health_servicer.enter_graceful_shutdown()
@@ -173,6 +193,12 @@ class Daemon:
             status = 1
         log.info("stopped status=%d", status)
         return status
+
+    def _stop_watch(self) -> None:
+        self.reloader.cancel()
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
 
     async def _drain(self, grace: float) -> None:
         """Wait (at most ``grace`` s) until no call is in flight for a few loop turns, the
