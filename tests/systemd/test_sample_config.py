@@ -1,0 +1,57 @@
+"""``systemd/prefixd.toml``, the sample config installed as /etc/prefixd/prefixd.toml: it loads,
+equals the built-in defaults, and names every setting (a new setting must be added to it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import re
+
+from prefixd.daemon.sessions import Limits
+from prefixd.daemon.settings import DaemonConfig, TenantSocket, load
+from prefixd.engine.config import EngineConfig, TierSizes
+
+SAMPLE = pathlib.Path(__file__).resolve().parents[2] / "systemd" / "prefixd.toml"
+
+# dataclass fields that the file spells differently
+SPELLED = {"model_blocks": "[engine.blocks.models.", "blocks": "[engine.blocks]",
+           "tenants": "[[engine.tenants]]", "limits": "[daemon.limits]",
+           "sockets": "[[daemon.sockets]]"}
+
+
+def test_sample_config_loads_and_equals_the_defaults():
+    engine, daemon = load(str(SAMPLE))
+    assert engine == EngineConfig()
+    assert daemon == DaemonConfig()
+
+
+def test_sample_config_names_every_setting():
+    """Also the ones left at an absent default (commented out): ``checkpoint_blocks``,
+    ``socket``, the per-model sizes and ``[[daemon.sockets]]``."""
+    text = SAMPLE.read_text()
+    missing = []
+    for cls in (EngineConfig, TierSizes, DaemonConfig, Limits, TenantSocket):
+        for field in dataclasses.fields(cls):
+            spelled = SPELLED.get(field.name)
+            if spelled is not None:
+                found = spelled in text
+            else:
+                found = re.search(rf"^#? ?{field.name} = ", text, re.M) is not None
+            if not found:
+                missing.append(f"{cls.__name__}.{field.name}")
+    assert not missing, f"systemd/prefixd.toml does not show {missing}: add them with their default"
+
+
+def test_sample_config_marks_exactly_the_live_settings():
+    """The ``[live]`` marks in the sample are what a reload applies (``prefixd.daemon.reload``)."""
+    from prefixd.daemon.reload import DAEMON_LIVE
+    from prefixd.engine.live_settings import LIVE_FIELDS
+
+    marked = set()
+    for line in SAMPLE.read_text().splitlines():
+        if "[live]" not in line:
+            continue
+        found = re.match(r"^#? ?(\w+) = |^\[+([\w.]+)\]+", line)
+        if found:  # a setting or a table, not prose
+            marked.add((found.group(1) or found.group(2)).split(".")[-1])
+    assert marked == set(LIVE_FIELDS) | (set(DAEMON_LIVE) - {"sockets"}) | {"mode"}
