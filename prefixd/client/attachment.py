@@ -265,6 +265,27 @@ class Attachment:
         except grpc.RpcError as exc:
             log.info("release of an unknown reclaimed sequence failed seq=%d error=%s", seq_id, from_rpc_error(exc))
 
+    def _check_lease(self, seqs) -> None:
+        """Before a mapped store or load: the keep-alive stream must be up.
+
+        NOTE: a mapped access never talks to the daemon, so it cannot see a restart. A daemon
+        that restarted frees the slots of sequences it never saw committed and may hand them to
+        another client; a store through the old block table would then land in that client's
+        KV. The keep-alive stream breaks the moment the daemon dies, so a broken (or
+        recovering) lease sends the access through recovery first, and a handle the recovery
+        changed raises DaemonRestarted instead of being used.
+        """
+        ka = self._keepalive
+        if ka is not None and ka.lost is None:
+            return
+        gen = self._generation
+        if not self._reconnect:
+            raise NotFound(f"session {self.id:#x} lost its keep-alive stream (daemon restarted or lease "
+                           f"lapsed): connect again")
+        self._recover(gen)
+        for seq in seqs:
+            seq.check_live()
+
     def _call(self, fn, *, idempotent: bool, what: str):
         """Run ``fn()`` (which reads ``self._stub``/``self.id`` and the handles' ids when called);
         on a lost session recover, then retry (idempotent) or raise DaemonRestarted."""

@@ -164,8 +164,11 @@ class Session(Attachment):
         pool = self.pool
         if pool is not None and (start // self.layout.block_size >= seq.shared_blocks()
                                  or start // self.layout.block_size < seq.num_indexed):
-            pool.write(seq, start, kv)
-            return
+            self._check_lease([seq])
+            pool = self.pool  # a recovery in the check may have remapped it (or found no mapping)
+            if pool is not None:
+                pool.write(seq, start, kv)
+                return
         self._call(lambda: remote_kv.write_kv(self._stub, self.id, seq.id, start, kv, self.layout.block_size,
                                               self.max_message_bytes, self._timeout),
                    idempotent=False, what="write_kv")
@@ -182,7 +185,10 @@ class Session(Attachment):
                 raise InvalidArgument(f"out must be {want} of {self.layout.dtype}, got "
                                       f"{tuple(out.shape)} of {out.dtype}")
         if self.pool is not None:
-            return self.pool.read(seq, start, n, out)
+            self._check_lease([seq])
+            pool = self.pool
+            if pool is not None:
+                return pool.read(seq, start, n, out)
         return self._call(lambda: remote_kv.read_kv(self._stub, self.id, seq.id, start, n, self.layout,
                                                     self._timeout, out), idempotent=False, what="read_kv")
 
@@ -199,15 +205,17 @@ class Session(Attachment):
         check_attend_args(seqs, q, new_k, new_v, query_start_loc)
         if not 0 <= layer < self.layout.num_layers:
             raise InvalidArgument(f"layer must be in 0..{self.layout.num_layers - 1}, got {layer}")
-        pool = self.pool
-        if pool is not None and (new_k is None or self._new_tokens_private(seqs, q, query_start_loc)):
-            try:
-                return pool.attend(seqs, q, layer=layer, new_k=new_k, new_v=new_v,
-                                   query_start_loc=query_start_loc, scale=scale)
-            except InvalidArgument:
-                raise
-            except ValueError as exc:  # the kernels' checks (dtype, heads, strides)
-                raise InvalidArgument(str(exc)) from None
+        if self.pool is not None and (new_k is None or self._new_tokens_private(seqs, q, query_start_loc)):
+            self._check_lease(seqs)
+            pool = self.pool  # a recovery in the check may have remapped it
+            if pool is not None:
+                try:
+                    return pool.attend(seqs, q, layer=layer, new_k=new_k, new_v=new_v,
+                                       query_start_loc=query_start_loc, scale=scale)
+                except InvalidArgument:
+                    raise
+                except ValueError as exc:  # the kernels' checks (dtype, heads, strides)
+                    raise InvalidArgument(str(exc)) from None
         out = self._call(lambda: remote_kv.attend(self._stub, self.id, [s.id for s in seqs], q, layer=layer,
                                                   new_k=new_k, new_v=new_v, query_start_loc=query_start_loc,
                                                   scale=scale, timeout=self._timeout),
