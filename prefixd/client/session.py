@@ -26,8 +26,10 @@ Reconnect semantics (``reconnect=True``, the default):
   cut back from 40 to 32 tokens must not be extended from 32 as if nothing happened.
 - If the daemon does not come back within the backoff's total, the call raises
   ``Unavailable``; the session stays usable and the next call tries again.
-- Mapped writes cannot notice a restart by themselves (they are plain stores); the commit that
-  follows them does, and raises ``DaemonRestarted``, so no write is acknowledged unseen.
+- Mapped reads and writes never talk to the daemon, so each first checks the lease: a broken
+  keep-alive stream (the daemon died) sends it through a recovery first, and a handle that
+  recovery changed raises ``DaemonRestarted`` instead of storing through its old block table
+  (whose slots the new daemon may have given to another client).
 
 With ``reconnect=False`` every failure is raised as its typed error and a lost lease ends the
 session (calls then raise ``NotFound``).
