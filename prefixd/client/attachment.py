@@ -315,8 +315,8 @@ class Attachment:
         for seq_id, seq in self._live.items():
             assert seq.id == seq_id and not seq.released and not seq.lost, seq
             seq.check_invariants()
-        if self._closed:
-            assert self._keepalive is None and not self._live
+        if self._detached:
+            assert self._closed and self._keepalive is None and not self._live
         if self._keepalive is not None:
             self._keepalive.check_invariants()
 
