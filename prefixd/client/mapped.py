@@ -47,14 +47,26 @@ class MappedPool:
     """One tier's pool of the daemon, mapped.
 
     Invariants: ``tensor`` has the descriptor's shape, strides and dtype and aliases the
-    daemon's memory for as long as this object (or a view of ``tensor``) lives.
+    daemon's memory for as long as this object (or a view of ``tensor``) lives. ``pending``
+    is True while stores into a CUDA pool may still be in flight on this process's stream.
+
+    NOTE: CUDA copies are asynchronous, and the daemon reads the blocks from another process:
+    ``settle()`` waits for this process's stores before anything asks the daemon to read them
+    (Commit, a committing Release). A CPU mapping needs nothing: a store is visible at once.
     """
 
     def __init__(self, tensor: torch.Tensor, tier: str, path: str | None, keepalive=None) -> None:
         self.tensor = tensor
         self.tier = tier
         self.path = path
+        self.pending = False
         self._keepalive = keepalive  # the mmap (CPU) or None: kept so the mapping outlives us
+
+    def settle(self) -> None:
+        """Wait until this process's stores into a CUDA pool are done (no-op on a CPU pool)."""
+        if self.pending:
+            torch.cuda.synchronize(self.tensor.device)
+            self.pending = False
 
     @property
     def block_size(self) -> int:
@@ -74,6 +86,7 @@ class MappedPool:
                 f"committed (shared with other prompts, read-only); only tokens from "
                 f"{seq.num_indexed * bs} on may be written")
         write_tokens(self.tensor, seq.block_table, start, kv, self.block_size)
+        self.pending = self.tensor.is_cuda
 
     def read(self, seq, start: int, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
         return read_tokens(self.tensor, seq.block_table, start, n, self.block_size, out)
@@ -102,6 +115,7 @@ class MappedPool:
                     slots.append(seq.block_table[t // bs] * bs + t % bs)
             mapping = torch.tensor(slots, dtype=torch.long, device=device)
             write_new_kv(new_k.to(device), new_v.to(device), k_cache, v_cache, mapping)
+            self.pending = self.tensor.is_cuda
         width = max((len(s.block_table) for s in seqs), default=0) or 1
         tables = torch.zeros((len(seqs), width), dtype=torch.int32)
         for i, seq in enumerate(seqs):

@@ -118,6 +118,7 @@ class Session(Attachment):
         """Index ``seq``'s full blocks (its KV must be written); answered once as durable as
         asked ("index", "crash", "power"). Returns the blocks newly indexed."""
         seq.check_live()
+        self._settle()
         r = self._call(lambda: self._stub.Commit(pb.CommitRequest(session_id=self.id, seq_id=seq.id,
                                                                   durability=durability), timeout=self._timeout),
                        idempotent=False, what="commit")
@@ -140,6 +141,8 @@ class Session(Attachment):
     def release(self, seq: Sequence, commit: bool = False, durability: str = "crash") -> None:
         """Drop ``seq`` (committing first when ``commit``); its indexed blocks stay cached."""
         seq.check_live()
+        if commit:
+            self._settle()
         self._call(lambda: self._stub.Release(pb.ReleaseRequest(session_id=self.id, seq_id=seq.id, commit=commit,
                                                                  durability=durability), timeout=self._timeout),
                    idempotent=False, what="release")
@@ -243,6 +246,11 @@ class Session(Attachment):
         return list(self._live.values())
 
     # -- helpers -----------------------------------------------------------------------------
+
+    def _settle(self) -> None:
+        """Mapped stores into a CUDA pool done before the daemon reads the blocks."""
+        if self.pool is not None:
+            self.pool.settle()
 
     def _rekey(self, seq: Sequence, reply: pb.SequenceReply) -> None:
         old = seq.id
