@@ -16,17 +16,6 @@ from prefixd.cache.events import BlocksDropped, new_event
 from prefixd.cache.node import DEVICE
 
 
-def device_prefix(pairs) -> int:
-    """Blocks of a ``RadixTree.peek`` match already on the device (device residency is
-    root-anchored, so they are its leading runs)."""
-    blocks = 0
-    for node, k in pairs:
-        if node.slots[DEVICE] is None:
-            break
-        blocks += k
-    return blocks
-
-
 class Allocation:
     """Slots for one ``PrefixCache``: allocate, evict, retry; and what eviction could free.
 
@@ -37,9 +26,9 @@ class Allocation:
     the copy anyway), so a request that ``can_allocate`` approves gets its slots.
 
     An ``open`` of ``total`` blocks whose match has ``D`` blocks on the device needs
-    ``total - D`` slots and pins at most those ``D`` blocks more, so ``available() >= total``
-    proves it fits whatever it matches; only below that does ``open`` peek at its match
-    (without splitting or touching it) for the exact check.
+    ``total - D`` slots (promotion included) and pins those ``D`` blocks: it peeks at its match
+    (``RadixTree.peek``: no split, no touch), checks with the match as ``path`` only when
+    ``total - D`` exceeds the free slots (else nothing is evicted), and only then takes it.
 
     NOTE: the check walks the locked paths (one step per pinned node; none when nothing is
     locked), and only when a request needs more than the free slots: cheaper than keeping a
@@ -66,14 +55,19 @@ class Allocation:
         NOTE: what was evicted on the way stays evicted when this fails; a caller that must
         change nothing on failure asks ``can_allocate`` first (``open``, ``extend``).
         """
+        slots = self.allocators[tier].allocate(n)
+        return slots if slots is not None else self.allocate_evicting(tier, n)
+
+    def allocate_evicting(self, tier: int, n: int) -> list[int] | None:
+        """``allocate`` for a caller that already found the free slots of ``tier`` short of
+        ``n`` (``open``, ``extend``): evict, retry, and ask the engine once for quarantined
+        slots; ``None`` when they cannot be had."""
         alloc = self.allocators[tier]
+        self.evict(tier, n - alloc.num_free)
         slots = alloc.allocate(n)
-        if slots is None:
-            self.evict(tier, n - alloc.num_free)
+        if slots is None and alloc.num_deferred and self.cache.on_deferred_shortage is not None:
+            self.cache.on_deferred_shortage()
             slots = alloc.allocate(n)
-            if slots is None and alloc.num_deferred and self.cache.on_deferred_shortage is not None:
-                self.cache.on_deferred_shortage()
-                slots = alloc.allocate(n)
         return slots
 
     def available(self, path=()) -> int:
@@ -93,8 +87,10 @@ class Allocation:
         Raises:
             OutOfBlocks: naming the need and what could be had; nothing was changed.
         """
-        if n > self.device.num_free:
-            available = self.available(path)
+        free = self.device.num_free
+        if n > free:
+            tree = self.tree  # ``available(path)``, with the free count at hand
+            available = free + tree.num_blocks_in[DEVICE] - tree.pinned_device_blocks(path)
             if n > available:
                 raise OutOfBlocks(n, available)
 

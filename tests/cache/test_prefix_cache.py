@@ -61,6 +61,25 @@ def test_block_hashes_chain_on_the_parent_from_the_namespace_root():
     assert stored.hashes == chain_hashes(stored.parent_hash, toks(*range(8)), BS * 4)
 
 
+def test_block_hashes_are_xxh3_128_of_the_parent_hash_and_the_block_bytes():
+    """The durable name of a block (the WAL and checkpoints speak of it) is pinned to its
+    definition, whatever way ``chain_hashes`` cuts the blocks (a struct unpack, cached per
+    length), for runs of every length and a trailing partial block."""
+    import os
+
+    import xxhash
+
+    for num_blocks in (1, 2, 23, 300):
+        tokens = os.urandom(num_blocks * 64)
+        h, want = b"p" * 16, []
+        for s in range(0, len(tokens), 64):
+            h = xxhash.xxh3_128_digest(h + tokens[s:s + 64])
+            want.append(h)
+        assert chain_hashes(b"p" * 16, tokens, 64) == want
+        assert chain_hashes(b"p" * 16, tokens, 64) == want  # the cached splitter, again
+        assert chain_hashes(b"p" * 16, tokens + b"abcd", 64)[:-1] == want
+
+
 def test_namespaces_never_share_blocks():
     cache = make_cache()
     a = cache.open(toks(*range(9)), extra=b"lora-1")
