@@ -82,56 +82,75 @@ def test_probe_raises_when_a_pool_log_has_failed():
 
 
 # -- a real daemon process ---------------------------------------------------------------------
+# One daemon walks through the contract in order (the tests below run in file order): started
+# plain, given some commits, killed with SIGKILL (no checkpoint: the restart replays the log),
+# then restarted as systemd would start it, with NOTIFY_SOCKET (abstract) and WATCHDOG_USEC.
+
+STALL = os.path.join("/tmp", f"pd-stall-{os.getpid()}")
 
 
-def test_status_shows_recovery_ready_follows_serving_and_sigterm_says_stopping():
-    with DaemonProcess() as d, NotifyListener() as listener:
+@pytest.fixture(scope="module")
+def notified():
+    with NotifyListener(abstract=True) as listener, DaemonProcess() as d:
         d.start()
         _commit_some(d, 8)
-        d.kill()  # no checkpoint at stop: the restart replays the log
-        d.env.update(listener.env())
+        d.kill()
+        d.env.update(listener.env(watchdog_usec=300_000), PREFIXD_TEST_WATCHDOG_STALL=STALL)
         d.start(wait=False)
-        ready = listener.wait_for("READY", "1")
-        with d.channel() as ch:  # READY came after the socket answered
-            health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
-                                                          timeout=5)
-        assert health.status == health_pb2.HealthCheckResponse.SERVING
-        before = [m.get("STATUS", "") for m in listener.snapshot()[:ready]]
-        assert before and before[0].startswith("recovering"), before
-        done = [s for s in before if s.startswith("recovered: replayed")]
-        assert done, before
-        replayed, total = done[-1].split()[2], done[-1].split()[4]
-        assert int(replayed) == int(total) > 0, done
-        assert listener.count("READY") == 1
-        assert d.stop() == 0
-        stopping = listener.wait_for("STOPPING", "1", after=ready)
-        assert stopping > ready
-        assert listener.count("READY") == 1
+        yield d, listener
 
 
-def test_watchdog_pings_come_from_the_serving_loop_and_stop_while_it_stalls():
-    with NotifyListener(abstract=True) as listener:
-        stall = os.path.join("/tmp", f"pd-stall-{os.getpid()}")
-        env = dict(listener.env(watchdog_usec=300_000), PREFIXD_TEST_WATCHDOG_STALL=stall)
-        with DaemonProcess(env=env) as d:
-            d.start()
-            ready = listener.wait_for("READY", "1")
-            first = listener.wait_for("WATCHDOG", "1", after=ready)
-            listener.wait_for("WATCHDOG", "1", after=first + 1)
-            with open(stall, "w"):
-                pass  # the next probe blocks the event loop, as a hung engine call would
-            try:
-                time.sleep(0.3)  # a probe already past the stall check may still ping once
-                pings = listener.count("WATCHDOG")
-                # 15 watchdog periods / 3: a live loop would have pinged ~15 times
-                with pytest.raises(AssertionError):
-                    listener.wait_for("WATCHDOG", "1", after=len(listener.snapshot()),
-                                      timeout=1.5)
-                assert listener.count("WATCHDOG") == pings
-                assert d.proc.poll() is None
-            finally:
-                os.unlink(stall)
-            listener.wait_for("WATCHDOG", "1", after=len(listener.snapshot()))  # resumes
-            d.proc.send_signal(signal.SIGTERM)
-            assert d.proc.wait(60) == 0
-            listener.wait_for("STOPPING", "1")
+def test_status_shows_recovery_progress_before_ready(notified):
+    d, listener = notified
+    ready = listener.wait_for("READY", "1")
+    before = [m.get("STATUS", "") for m in listener.snapshot()[:ready]]
+    assert before and before[0].startswith("recovering"), before
+    done = [s for s in before if s.startswith("recovered: replayed")]
+    assert done, before
+    replayed, total = done[-1].split()[2], done[-1].split()[4]
+    assert int(replayed) == int(total) > 0, done
+
+
+def test_ready_comes_once_the_socket_answers(notified):
+    d, listener = notified
+    listener.wait_for("READY", "1")
+    with d.channel() as ch:
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert listener.count("READY") == 1
+    assert listener.snapshot()[listener.wait_for("READY", "1")]["STATUS"].startswith("serving")
+
+
+def test_watchdog_pings_come_while_serving(notified):
+    d, listener = notified
+    ready = listener.wait_for("READY", "1")
+    first = listener.wait_for("WATCHDOG", "1", after=ready)
+    listener.wait_for("WATCHDOG", "1", after=first + 1)
+
+
+def test_watchdog_pings_stop_while_the_serving_loop_stalls_and_resume_after(notified):
+    """A pinger on a timer (or a thread) would go on pinging a dead loop."""
+    d, listener = notified
+    listener.wait_for("WATCHDOG", "1")
+    with open(STALL, "w"):
+        pass  # the next probe blocks the event loop, as a hung engine call would
+    try:
+        time.sleep(0.3)  # a probe already past the stall check may still ping once
+        pings = listener.count("WATCHDOG")
+        # 1.5 s is 15 periods of 0.1 s: a live loop would have pinged about 15 times
+        with pytest.raises(AssertionError):
+            listener.wait_for("WATCHDOG", "1", after=len(listener.snapshot()), timeout=1.5)
+        assert listener.count("WATCHDOG") == pings
+        assert d.proc.poll() is None
+    finally:
+        os.unlink(STALL)
+    listener.wait_for("WATCHDOG", "1", after=len(listener.snapshot()))
+
+
+def test_sigterm_says_stopping_and_exits_clean(notified):
+    d, listener = notified
+    ready = listener.wait_for("READY", "1")
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(60) == 0
+    assert listener.wait_for("STOPPING", "1") > ready
+    assert listener.count("READY") == 1
