@@ -1,10 +1,12 @@
 """Client processes for the daemon's kill -9 and lease suites, over the raw generated stubs.
 
-    python -m tests.daemon.gsp_load load SOCKET OUT_DIR INDEX SEED
+    python -m tests.daemon.gsp_load load SOCKET OUT_DIR COUNT SEED THINK_S
     python -m tests.daemon.gsp_load spawner SOCKET OUT_DIR
     python -m tests.daemon.gsp_load serve-planted serve --config ... (prefixd serve, planted bug)
+    python -m tests.daemon.gsp_load zygote      (forks a `prefixd serve` per stdin line)
 
-``load`` (tests/crash/test_daemon_kill9.py): gsp-like requests forever. Each opens a prompt (a
+``load`` (tests/crash/test_daemon_kill9.py): forks COUNT clients (indexes 0 .. COUNT - 1),
+prints their pids and waits for stdin to close. Each sends gsp-like requests forever: opens a prompt (a
 shared system prefix and a unique suffix), writes the KV of its uncached tokens through
 ``WriteKV`` and commits at ``crash`` durability (``Commit``, then the sequence is held until
 the next request; or ``Release`` with ``commit``). Once the reply is received it appends one
@@ -14,6 +16,8 @@ restart) it attaches again with backoff, ``Reclaim``s every previous session and
 came back against what it held: every sequence whose commit was acknowledged and that was not
 released returns with at least its committed tokens, and every returned sequence's tokens and
 KV bytes (``ReadKV``) are consistent. One JSON line per Reclaim goes to ``OUT_DIR/events-INDEX``.
+Between requests it waits up to ``THINK_S`` (uniformly), as an engine between prompts: two
+cores run the daemon, eight clients and the checker, and the checker must keep up.
 
 ``spawner`` (tests/daemon/test_leases.py): imports once, then forks a holder per stdin line
 ``NAME MODE SEED`` and prints its pid. A holder attaches, opens sequences (``MODE`` says how:
@@ -132,7 +136,8 @@ class LoadClient:
     tokens and bytes like any other; only a sequence the session never had is an error.
     """
 
-    def __init__(self, socket: str, out_dir: str, index: int, seed: int) -> None:
+    def __init__(self, socket: str, out_dir: str, index: int, seed: int, think_s: float = 0.0) -> None:
+        self.think_s = think_s
         self.channel = grpc.insecure_channel("unix:" + socket)
         self.stub = pb_grpc.PrefixCacheStub(self.channel)
         self.acks = Log(os.path.join(out_dir, f"acks-{index}"))
@@ -151,6 +156,7 @@ class LoadClient:
         while True:
             try:
                 self.request()
+                time.sleep(self.rng.random() * self.think_s)
             except Reconnect:
                 self.attach()
 
@@ -181,7 +187,7 @@ class LoadClient:
         if self.rng.random() < 0.5:
             self.call(self.stub.Commit, pb.CommitRequest(session_id=self.session, seq_id=seq.seq_id,
                                                          durability="crash"), timeout=30)
-            self.acks.add(ack)
+            self.acks.add(dict(ack, via="commit"))
             for old in list(self.held):
                 self.release(old)
             self.held[seq.seq_id] = ack
@@ -189,7 +195,7 @@ class LoadClient:
             self.call(self.stub.Release, pb.ReleaseRequest(session_id=self.session, seq_id=seq.seq_id,
                                                            commit=True, durability="crash"),
                       timeout=30)
-            self.acks.add(ack)
+            self.acks.add(dict(ack, via="release"))
 
     def release(self, seq_id: int) -> None:
         self.held.pop(seq_id, None)
@@ -250,6 +256,30 @@ class LoadClient:
                          "lenient": entry["lenient"], "bad": bad})
         for seq_id in [s.seq_id for s in got.sequences if s.seq_id]:
             self.release(seq_id)
+
+
+def fork_clients(socket: str, out_dir: str, count: int, seed: int, think_s: float) -> None:
+    """Fork ``count`` load clients (one interpreter's imports for all: no channel exists here
+    before the forks), print their pids, and wait for stdin to close. Each client's stderr is
+    ``OUT_DIR/stderr-INDEX``; the kernel reaps them (SIGCHLD ignored)."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    for index in range(count):
+        pid = os.fork()
+        if pid == 0:
+            code = 3
+            try:
+                fd = os.open(os.path.join(out_dir, f"stderr-{index}"),
+                             os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                os.dup2(fd, 2)
+                LoadClient(socket, out_dir, index, seed * 100 + index, think_s).run()
+            except BaseException:  # noqa: BLE001 - the test reads the traceback
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        print(pid, flush=True)
+    sys.stdin.read()
 
 
 # -- holders (lease suite) ------------------------------------------------------------------------
@@ -368,12 +398,44 @@ def serve_planted(argv: list[str]) -> int:
     return cli.main(argv)
 
 
+def zygote() -> None:
+    """Import the daemon once, then fork one ``prefixd serve`` per stdin line (a JSON list:
+    the log path, then the command's arguments) and print its pid.
+
+    NOTE: the kill -9 suite restarts the daemon ten times; a fresh interpreter importing torch
+    took 4-11 s of a loaded 2-core host each time, a fork takes milliseconds. The forked child
+    is the daemon (its recovery, its sockets, its engine): only the imports came before the
+    fork, and no channel, server, loop or engine exists in this process. Children are reaped
+    by the kernel (SIGCHLD ignored), so a dead one's pid answers ``kill(pid, 0)`` with ESRCH.
+    """
+    import prefixd.daemon.server  # noqa: F401 - torch, grpc and the engine, once
+    from prefixd.daemon import cli
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    for line in sys.stdin:
+        log_path, *argv = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                code = cli.main(argv)
+            finally:
+                os._exit(code)
+        print(pid, flush=True)
+
+
 def main(argv: list[str]) -> int:
     if argv[0] == "load":
-        socket, out_dir, index, seed = argv[1:]
-        LoadClient(socket, out_dir, int(index), int(seed)).run()
+        socket, out_dir, count, seed, think_s = argv[1:]
+        fork_clients(socket, out_dir, int(count), int(seed), float(think_s))
     elif argv[0] == "spawner":
         spawner(*argv[1:])
+    elif argv[0] == "zygote":
+        zygote()
     elif argv[0] == "serve-planted":
         return serve_planted(argv[1:])
     else:
