@@ -206,3 +206,56 @@ def test_apply_live_rekeys_eviction_and_sets_the_write_policy(tmp_path):
         with pytest.raises(ValueError, match="restart"):
             live_settings.apply_live(engine, EngineConfig(blocks=TierSizes(16, 16, 0),
                                                           shm_dir=str(tmp_path / "shm")))
+
+
+def test_a_reload_asked_while_recovering_runs_once_serving(tmp_path):
+    """The engine's settings cannot be applied to an engine still opening: the request waits."""
+    import asyncio
+    import types
+
+    from prefixd.daemon.core import RECOVERING, SERVING
+    from prefixd.daemon.reload import ConfigSource, Reloader
+
+    path = tmp_path / "prefixd.toml"
+    path.write_text('[daemon]\nlease_s = 4.0\n')
+    core = types.SimpleNamespace(state=RECOVERING, engine=None, engine_config=EngineConfig(),
+                                 config=DaemonConfig(),
+                                 sessions=types.SimpleNamespace(lease_s=10.0, limits=None))
+
+    async def walk():
+        reloader = Reloader(core, ConfigSource(str(path)))
+        reloader.request("SIGHUP")
+        await asyncio.sleep(0.5)
+        assert reloader.outcomes == [] and core.sessions.lease_s == 10.0
+        core.state = SERVING
+        reloader.serving()
+        await asyncio.sleep(0.5)
+        return reloader.outcomes
+
+    (outcome,) = asyncio.run(walk())
+    assert outcome.applied == ["daemon.lease_s"] and core.sessions.lease_s == 4.0
+
+
+def test_config_watch_sees_a_save_by_rename(tmp_path):
+    import asyncio
+
+    from prefixd.daemon.config_watch import ConfigWatch
+
+    path = tmp_path / "prefixd.toml"
+    path.write_text("[daemon]\n")
+
+    async def walk():
+        seen = asyncio.Event()
+        watch = ConfigWatch(str(path), asyncio.get_running_loop(), lambda reason: seen.set())
+        watch.start()
+        try:
+            (tmp_path / "other.toml").write_text("x")  # another file: no call
+            await asyncio.sleep(0.3)
+            assert not seen.is_set()
+            (tmp_path / "new").write_text('[daemon]\nlease_s = 4.0\n')
+            os.replace(tmp_path / "new", path)
+            await asyncio.wait_for(seen.wait(), 10)
+        finally:
+            watch.stop()
+
+    asyncio.run(walk())
