@@ -12,6 +12,11 @@ Order at start (each step only after the one before succeeded):
 SIGTERM / SIGINT: stop accepting, end the KeepAlive streams (sessions are not ended: their
 sequences stay in the log for a Reclaim after the restart), let in-flight calls finish within
 ``shutdown_grace_s``, checkpoint, close the engine, remove the sockets, exit 0.
+
+Under systemd (``prefixd.daemon.lifecycle``): STATUS= while recovering, READY=1 once every
+socket answers, WATCHDOG=1 from the loop, STOPPING=1 at a stop. SIGHUP, or a change to the
+config file, reloads it (``prefixd.daemon.reload``: live settings apply, the rest wait for a
+restart).
 """
 
 from __future__ import annotations
