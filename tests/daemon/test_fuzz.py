@@ -10,7 +10,7 @@ and the index holds exactly what the valid calls put there (refused calls change
 once every fuzz session is detached nothing is pinned: the whole device pool can be opened
 anew, and a committed prompt still hits. The daemon then restarts cleanly.
 
-The calls are drawn by one description (``fuzz_ops.op``) from two sources: a fifth by
+The calls are drawn by one description (``fuzz_draw.op``) from two sources: a fifth by
 hypothesis (``st.data()``, ``derandomize=True`` in ``make test``: the same calls every run;
 a failure shrinks to a short list of calls), the rest by a seeded ``random.Random`` (drawing
 through hypothesis cost ~10 ms a call on the loaded 2-core host, more than the call). The soak
@@ -36,8 +36,9 @@ from hypothesis import strategies as st
 
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.api import prefixd_pb2_grpc as pb_grpc
-from tests.daemon import fuzz_ops
-from tests.daemon.fuzz_ops import BASE, BS, LAYOUT, Fuzzer, layout_key
+from tests.daemon import fuzz_draw
+from tests.daemon.fuzz_draw import BASE, BS, LAYOUT
+from tests.daemon.fuzz_ops import Fuzzer, layout_key
 from tests.daemon.harness import ROOT, start_daemon
 
 DEVICE_BLOCKS = 1024
@@ -61,11 +62,11 @@ salt = "other"
 
 [daemon]
 lease_s = {{lease_s}}
-max_message_bytes = {fuzz_ops.MAX_MESSAGE}
+max_message_bytes = {fuzz_draw.MAX_MESSAGE}
 
 [daemon.limits]
 sequences_per_session = 64
-pools_per_tenant = {fuzz_ops.POOLS_PER_TENANT}
+pools_per_tenant = {fuzz_draw.POOLS_PER_TENANT}
 """
 CALLS = 10_000
 WARMUP = 2_000
@@ -166,12 +167,19 @@ def kill_a_client(d, rng: random.Random) -> None:
 def vanish_mid_call(d, fuzzer: Fuzzer, which: int, delay_us: int) -> None:
     """A call in flight on a channel that is closed under it (or cancelled), on a throwaway
     session detached after; commits only of prompts already indexed, so the model holds."""
+    attached = fuzzer.call("Attach", fuzzer.stub.Attach,
+                           pb.AttachRequest(client_name="vanish", layout=LAYOUT))
+    if not isinstance(attached, pb.AttachReply):
+        return
+    sid = attached.session_id
+    opened = fuzzer.call("Open", fuzzer.stub.Open,
+                         pb.OpenRequest(session_id=sid, tokens=BASE[0].tobytes()))
+    if not isinstance(opened, pb.OpenReply):  # the device pool is full of held blocks
+        fuzzer.call("Detach", fuzzer.stub.Detach, pb.DetachRequest(session_id=sid))
+        return
+    seq = opened.sequence
     ch = grpc.insecure_channel("unix:" + d.socket)
     stub = pb_grpc.PrefixCacheStub(ch)
-    sid = fuzzer.stub.Attach(pb.AttachRequest(client_name="vanish", layout=LAYOUT)).session_id
-    seq = fuzzer.stub.Open(pb.OpenRequest(session_id=sid, tokens=BASE[0].tobytes())).sequence
-    fuzzer.calls["Attach"] += 1
-    fuzzer.calls["Open"] += 1
     calls = [
         lambda: stub.Open.future(pb.OpenRequest(session_id=sid, tokens=BASE[1][:77].tobytes())),
         lambda: stub.Commit.future(pb.CommitRequest(session_id=sid, seq_id=seq.seq_id,
@@ -213,10 +221,10 @@ def raw_bytes(d, data: bytes, preface: bool, linger: bool) -> None:
 
 
 def step(d) -> tuple:
-    """One drawn step: an rpc call (``fuzz_ops.op``), or 1 in 20 times raw bytes on the socket
+    """One drawn step: an rpc call (``fuzz_draw.op``), or 1 in 20 times raw bytes on the socket
     or a call that vanishes."""
     if d.int(0, 19):
-        return fuzz_ops.op(d)
+        return fuzz_draw.op(d)
     if d.bool():
         return "raw", d.bytes(0, 512), d.bool(), d.bool()
     return "vanish", d.int(0, 11), d.int(0, 3000)
@@ -238,7 +246,7 @@ class Run:
         self.next_sample = WARMUP
         self.next_kill = KILL_EVERY // 2
         self.started = time.monotonic()
-        for lay in fuzz_ops.ALT_LAYOUTS + fuzz_ops.FILLER_LAYOUTS:  # every pool, before warm-up
+        for lay in fuzz_draw.ALT_LAYOUTS + fuzz_draw.FILLER_LAYOUTS:  # every pool, before warm-up
             self.fuzzer.attach(lay, "pool-maker")
             self.fuzzer.detach(self.fuzzer.live[-1])
         self.step_seconds: collections.Counter[str] = collections.Counter()
@@ -281,13 +289,19 @@ class Run:
             self.kills += 1
         if self.total >= self.next_sample:
             self.next_sample += SAMPLE_EVERY
-            sample = (self.total, rss_kb(pid), num_fds(pid))
+            sample = (self.total, rss_kb(pid), num_fds(pid), self.indexed_blocks())
             if self.warm is None:
                 self.warm = sample[1:]
             self.samples.append(sample)
-            rss0, fds0 = self.warm
+            rss0, fds0, _ = self.warm
             assert sample[1] <= rss0 * 1.05 + RSS_SLACK_KB, (self.warm, sample)
             assert sample[2] <= fds0 * 1.05 + FD_SLACK, (self.warm, sample)
+
+    def indexed_blocks(self) -> int:
+        """Blocks the valid calls have put in the index so far (the daemon's count): reported
+        beside RSS, since a growing index is state, not a leak."""
+        values = self.fuzzer.stub.Stats(pb.StatsRequest()).values
+        return int(values["prefixd_committed_blocks_total"])
 
     def go(self, *, derandomize: bool, seed: int) -> None:
         """A fifth of the calls drawn by hypothesis, the rest by ``random.Random(seed)``."""
@@ -295,12 +309,12 @@ class Run:
                   derandomize=derandomize, suppress_health_check=list(HealthCheck))
         @given(st.data())
         def fuzz(data):
-            d = fuzz_ops.HypothesisDraw(data)
+            d = fuzz_draw.HypothesisDraw(data)
             self.example(step(d) for _ in range(d.int(1, 24)))
 
         fuzz()
         self.hypothesis_calls = self.total
-        d = fuzz_ops.RandomDraw(random.Random(seed))
+        d = fuzz_draw.RandomDraw(random.Random(seed))
         while self.total < self.target:
             self.example(step(d) for _ in range(d.int(1, 24)))
 
@@ -309,11 +323,12 @@ class Run:
         return (f"calls={self.total} by_hypothesis={self.hypothesis_calls} raw={self.raw} kills={self.kills} "
                 f"seconds={time.monotonic() - self.started:.1f} codes={dict(f.codes)} "
                 f"per_rpc={dict(f.calls)} "
-                f"rpc_seconds={ {k: round(v, 2) for k, v in f.seconds.items()} } warm(rss_kb,fds)={self.warm} "
+                f"rpc_seconds={ {k: round(v, 2) for k, v in f.seconds.items()} } warm(rss_kb,fds,indexed)={self.warm} "
                 f"last={self.samples[-1] if self.samples else None} "
                 f"max_rss_kb={max((s[1] for s in self.samples), default=0)} "
                 f"max_fds={max((s[2] for s in self.samples), default=0)} "
-                f"step_seconds={ {k: round(v, 2) for k, v in self.step_seconds.items()} }")
+                f"step_seconds={ {k: round(v, 2) for k, v in self.step_seconds.items()} } "
+                f"samples(calls,rss_kb,fds,indexed)={self.samples[::max(1, len(self.samples) // 12)]}")
 
 
 def check_nothing_leaked(d, run: Run) -> None:
@@ -355,7 +370,7 @@ def fuzz_and_check(d, target: int, *, derandomize: bool, seed: int) -> None:
         print(f"fuzz: seed={seed}", run.report())
     assert run.total >= target and len(run.samples) >= 4
     assert run.kills >= 1 and run.raw and run.fuzzer.calls["vanish"]
-    assert all(run.fuzzer.calls[name] for name in fuzz_ops.OPS), run.fuzzer.calls
+    assert all(run.fuzzer.calls[name] for name in fuzz_draw.OPS), run.fuzzer.calls
     check_nothing_leaked(d, run)
 
 
@@ -374,14 +389,14 @@ def test_an_attach_too_big_for_its_pool_is_refused_and_leaves_no_pool(daemon):
     manifest behind, so the daemon's next start failed opening that pool ("not starting")."""
     stub = daemon.stub()
     before = [p.model_id for p in stub.Status(pb.StatusRequest()).pools]
-    for lay in fuzz_ops.HUGE_LAYOUTS:
+    for lay in fuzz_draw.HUGE_LAYOUTS:
         with pytest.raises(grpc.RpcError) as err:
             stub.Attach(pb.AttachRequest(client_name="huge", layout=lay))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value.details()
         assert lay.model_id in err.value.details()
     assert [p.model_id for p in stub.Status(pb.StatusRequest()).pools] == before
     pools_dir = os.path.join(daemon.state_dir, "pools", "default")
-    names = [lay.model_id for lay in fuzz_ops.HUGE_LAYOUTS]
+    names = [lay.model_id for lay in fuzz_draw.HUGE_LAYOUTS]
     assert not [n for n in os.listdir(pools_dir) if n.split("-")[0] in names]
 
 
@@ -392,7 +407,7 @@ def test_a_tenant_gets_at_most_pools_per_tenant_pools(daemon):
     stub = daemon.stub()
     made = len(stub.Status(pb.StatusRequest()).pools)
     codes = []
-    for i in range(fuzz_ops.POOLS_PER_TENANT + 1):
+    for i in range(fuzz_draw.POOLS_PER_TENANT + 1):
         lay = pb.KVLayout(model_id=f"limit-{i}", num_layers=1, num_kv_heads=1, head_dim=2,
                           dtype="float16", block_size=2)
         try:
@@ -401,9 +416,9 @@ def test_a_tenant_gets_at_most_pools_per_tenant_pools(daemon):
             codes.append("OK")
         except grpc.RpcError as err:
             codes.append(err.code().name)
-    room = fuzz_ops.POOLS_PER_TENANT - made
+    room = fuzz_draw.POOLS_PER_TENANT - made
     assert codes == ["OK"] * room + ["RESOURCE_EXHAUSTED"] * (len(codes) - room)
-    assert len(stub.Status(pb.StatusRequest()).pools) == fuzz_ops.POOLS_PER_TENANT
+    assert len(stub.Status(pb.StatusRequest()).pools) == fuzz_draw.POOLS_PER_TENANT
     sid = stub.Attach(pb.AttachRequest(client_name="again", layout=LAYOUT)).session_id
     stub.Detach(pb.DetachRequest(session_id=sid))
 
