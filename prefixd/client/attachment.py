@@ -2,7 +2,7 @@
 daemon restart (the semantics are in ``prefixd.client.session``'s docstring).
 
 NOTE: ``_call`` is the one place a call meets a lost session: it recovers (at most once per
-failure, under the lock), then retries an idempotent call or raises ``DaemonRestarted``. Every
+failure, under the lock), then retries a call that is safe to repeat or raises ``DaemonRestarted``. Every
 request is built inside the callable it is given, so a retry reads the new session id and the
 handles' new ids.
 """
@@ -286,9 +286,9 @@ class Attachment:
         for seq in seqs:
             seq.check_live()
 
-    def _call(self, fn, *, idempotent: bool, what: str):
+    def _call(self, fn, *, retry_safe: bool, what: str):
         """Run ``fn()`` (which reads ``self._stub``/``self.id`` and the handles' ids when called);
-        on a lost session recover, then retry (idempotent) or raise DaemonRestarted."""
+        on a lost session recover, then retry (``retry_safe``) or raise DaemonRestarted."""
         if self._closed:
             raise NotFound("the session is closed; connect again")
         gen = self._generation
@@ -301,7 +301,7 @@ class Attachment:
         handles = self._recover(gen)
         if handles is None:  # the session was alive: the error was the call's own
             raise err
-        if idempotent:
+        if retry_safe:
             try:
                 return fn()
             except grpc.RpcError as exc:

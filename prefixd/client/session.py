@@ -16,11 +16,13 @@ Reconnect semantics (``reconnect=True``, the default):
   ``block_table``, ``reclaimed`` set, ``num_tokens`` cut back to what survived (whole committed
   blocks) and ``previous_num_tokens`` what it had, so the caller re-extends and rewrites tokens
   ``num_tokens .. previous_num_tokens``; ``lost`` when nothing survived (open it again).
-- Idempotent calls (``lookup``, ``lookup_tiers``, ``stats``) are retried and succeed as if
-  nothing happened. A call that is not (``open``, ``extend``, ``commit``, ``fork``,
-  ``release``, ``write_kv``, ``read_kv``, ``attend``) and failed under the restart raises
+- Calls that name no sequence (``lookup``, ``lookup_tiers``, ``stats``, ``open``) are retried
+  and succeed as if nothing happened. (``open`` too: if the failed attempt did open a sequence
+  before the crash, the Reclaim returns it under an id no handle knows, and the recovery
+  releases it.) A call that names sequences (``extend``, ``commit``, ``fork``, ``release``,
+  ``write_kv``, ``read_kv``, ``attend``) and failed under the restart raises
   ``DaemonRestarted`` (``.reclaimed``: the updated handles), because whether its effect
-  happened is unknown; redo its work against the updated handles.
+  happened is unknown and its handles changed; redo its work against them.
 - A handle a recovery changed raises ``DaemonRestarted`` once at the next call that names it,
   even when the recovery ran in the background and the call itself would work: a sequence
   cut back from 40 to 32 tokens must not be extended from 32 as if nothing happened.
@@ -92,7 +94,7 @@ class Session(Attachment):
         """Cached tokens of ``tokens`` by tier (``LookupResult``), pinning nothing."""
         raw = pack_tokens(tokens)
         r = self._call(lambda: self._stub.Lookup(pb.LookupRequest(session_id=self.id, tokens=raw),
-                                                 timeout=self._timeout), idempotent=True, what="lookup")
+                                                 timeout=self._timeout), retry_safe=True, what="lookup")
         return LookupResult(r.cached_tokens, r.device_tokens, r.host_tokens, r.disk_tokens, r.unverified_tokens)
 
     def open(self, tokens) -> Sequence:
@@ -100,7 +102,7 @@ class Session(Attachment):
         Compute KV only for tokens past ``seq.cached_tokens``. Raises ResourceExhausted."""
         raw = pack_tokens(tokens)
         r = self._call(lambda: self._stub.Open(pb.OpenRequest(session_id=self.id, tokens=raw),
-                                               timeout=self._timeout), idempotent=False, what="open")
+                                               timeout=self._timeout), retry_safe=True, what="open")
         seq = Sequence(r.sequence)
         self._live[seq.id] = seq
         return seq
@@ -110,7 +112,7 @@ class Session(Attachment):
         seq.check_live()
         raw = pack_tokens(tokens)
         r = self._call(lambda: self._stub.Extend(pb.ExtendRequest(session_id=self.id, seq_id=seq.id, tokens=raw),
-                                                 timeout=self._timeout), idempotent=False, what="extend")
+                                                 timeout=self._timeout), retry_safe=False, what="extend")
         self._rekey(seq, r.sequence)
         return seq
 
@@ -121,7 +123,7 @@ class Session(Attachment):
         self._settle()
         r = self._call(lambda: self._stub.Commit(pb.CommitRequest(session_id=self.id, seq_id=seq.id,
                                                                   durability=durability), timeout=self._timeout),
-                       idempotent=False, what="commit")
+                       retry_safe=False, what="commit")
         if r.HasField("sequence"):
             self._rekey(seq, r.sequence)
         return r.indexed_blocks
@@ -130,7 +132,7 @@ class Session(Attachment):
         """``n`` children sharing every block of ``seq`` (copy-on-write on their next extend)."""
         seq.check_live()
         r = self._call(lambda: self._stub.Fork(pb.ForkRequest(session_id=self.id, seq_id=seq.id, num_children=n),
-                                               timeout=self._timeout), idempotent=False, what="fork")
+                                               timeout=self._timeout), retry_safe=False, what="fork")
         children = [Sequence(c) for c in r.children]
         for s in [seq, *children]:
             s.mark_forked()
@@ -145,7 +147,7 @@ class Session(Attachment):
             self._settle()
         self._call(lambda: self._stub.Release(pb.ReleaseRequest(session_id=self.id, seq_id=seq.id, commit=commit,
                                                                  durability=durability), timeout=self._timeout),
-                   idempotent=False, what="release")
+                   retry_safe=False, what="release")
         self._live.pop(seq.id, None)
         seq.released = True
 
@@ -176,7 +178,7 @@ class Session(Attachment):
                 return
         self._call(lambda: remote_kv.write_kv(self._stub, self.id, seq.id, start, kv, self.layout.block_size,
                                               self.max_message_bytes, self._timeout),
-                   idempotent=False, what="write_kv")
+                   retry_safe=False, what="write_kv")
 
     def read_kv(self, seq: Sequence, start: int, n: int, *, out=None):
         """The KV of tokens ``start .. start + n`` of ``seq``: a new tensor, or ``out``
@@ -195,7 +197,7 @@ class Session(Attachment):
             if pool is not None:
                 return pool.read(seq, start, n, out)
         return self._call(lambda: remote_kv.read_kv(self._stub, self.id, seq.id, start, n, self.layout,
-                                                    self._timeout, out), idempotent=False, what="read_kv")
+                                                    self._timeout, out), retry_safe=False, what="read_kv")
 
     def attend(self, seqs, q, *, layer: int = 0, new_k=None, new_v=None, query_start_loc=None,
                scale: float | None = None):
@@ -224,7 +226,7 @@ class Session(Attachment):
         out = self._call(lambda: remote_kv.attend(self._stub, self.id, [s.id for s in seqs], q, layer=layer,
                                                   new_k=new_k, new_v=new_v, query_start_loc=query_start_loc,
                                                   scale=scale, timeout=self._timeout),
-                         idempotent=False, what="attend")
+                         retry_safe=False, what="attend")
         return out.to(q.device)
 
     def stats(self) -> dict[str, float]:
@@ -238,7 +240,7 @@ class Session(Attachment):
 
     def _stats(self) -> pb.StatsReply:
         return self._call(lambda: self._stub.Stats(pb.StatsRequest(session_id=self.id), timeout=self._timeout),
-                          idempotent=True, what="stats")
+                          retry_safe=True, what="stats")
 
     @property
     def sequences(self) -> list[Sequence]:

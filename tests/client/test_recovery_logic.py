@@ -50,6 +50,7 @@ class FakeDaemon:
         self.calls = []
         self.fail = {}
         self.next_session = 100
+        self.orphans = []
 
     def _step(self, method, request):
         self.calls.append((method, request))
@@ -85,7 +86,12 @@ class FakeDaemon:
     def Reclaim(self, request, timeout=None):
         self._step("Reclaim", request)
         return pb.ReclaimReply(sequences=[pb.ReclaimedSequence(previous_seq_id=7, seq_id=70, num_tokens=8,
-                                                               block_table=pack_tokens([1, 2]))])
+                                                               block_table=pack_tokens([1, 2])),
+                                          *self.orphans])
+
+    def Release(self, request, timeout=None):
+        self._step("Release", request)
+        return pb.ReleaseReply()
 
     def Detach(self, request, timeout=None):
         self._step("Detach", request)
@@ -163,3 +169,17 @@ def test_with_reconnect_off_failures_are_raised_as_they_are(fake, tmp_path):
         with pytest.raises(pc.Unavailable, match="connection refused"):
             s.lookup([1])
         assert len(fake.named("Attach")) == 1 and not fake.named("Stats")
+
+
+def test_open_is_retried_and_an_open_that_happened_before_the_crash_is_released(fake, tmp_path):
+    """An open whose reply the crash swallowed may come back from Reclaim under an id no handle
+    knows: the recovery releases it, so retrying the open leaks nothing."""
+    with connect(tmp_path) as s:
+        first = s.open([1] * 10)
+        fake.fail = {"Open": [UNAVAILABLE], "Stats": [GONE]}
+        fake.orphans = [pb.ReclaimedSequence(previous_seq_id=8, seq_id=80, num_tokens=8,
+                                             block_table=pack_tokens([4, 5]))]
+        again = s.open([1] * 10)
+        assert len(fake.named("Open")) == 3 and s.recoveries == 1
+        assert [r.seq_id for r in fake.named("Release")] == [80]
+        assert first.reclaimed and again.id == 7 and not again.reclaimed
