@@ -28,6 +28,7 @@ from tests.daemon.gsp_load import digest, packed, pb_layout, read_kv, read_lines
 from tests.daemon.harness import ROOT, DaemonProcess
 
 CLIENTS = 8
+LIB_CLIENTS = 4  # of them through prefixd.client (mapped KV, the library's reconnect)
 THINK_S = 0.2  # a client's pause between requests: at most (module docstring of gsp_load)
 CONFIG = """
 [engine]
@@ -135,9 +136,20 @@ class Clients:
         env.pop("PREFIXD_CRASH", None)
         self.parent = subprocess.Popen(
             [sys.executable, "-m", "tests.daemon.gsp_load", "load", socket, out, str(CLIENTS),
-             str(seed), str(THINK_S)], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+             str(seed), str(THINK_S), str(LIB_CLIENTS)], cwd=ROOT, env=env, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True)
-        self.procs = [Forked(int(self.parent.stdout.readline())) for _ in range(CLIENTS)]
+        self._procs: list[Forked] = []
+
+    @property
+    def procs(self) -> list[Forked]:
+        """The clients (read once the launcher has forked them: it imports while the daemon
+        starts, and the clients wait for the daemon by themselves)."""
+        while len(self._procs) < CLIENTS:
+            line = self.parent.stdout.readline()
+            if not line:
+                raise AssertionError(f"the client launcher exited ({self.parent.wait()})")
+            self._procs.append(Forked(int(line)))
+        return self._procs
 
     def acks(self) -> list[list[dict]]:
         return [read_lines(os.path.join(self.out, f"acks-{i}")) for i in range(CLIENTS)]
@@ -161,7 +173,9 @@ class Clients:
             time.sleep(0.02)
 
     def close(self) -> None:
-        for p in self.procs:
+        if self.parent.poll() is None:
+            self.procs  # a launcher still importing forks them all before it reads stdin
+        for p in self._procs:
             p.send_signal(signal.SIGKILL)
             p.wait(30)
         if self.parent.poll() is None:
@@ -219,8 +233,8 @@ def kill_cycles(kills: int, seed: int, disk: int = 32768) -> dict:
     totals = {"kills": 0, "acks_checked": 0, "blocks_verified": 0, "reclaims": 0,
               "held_reclaimed": 0, "restart_s": 0.0, "verify_s": 0.0}
     try:
-        d.start()
         clients = Clients(d.socket, out, seed)
+        d.start()
         checked = [0] * CLIENTS
         for k in range(1, kills + 1):
             start = total(clients.acks())

@@ -1,11 +1,12 @@
-"""Client processes for the daemon's kill -9 and lease suites, over the raw generated stubs.
+"""Client processes for the daemon's kill -9 suite, over the raw generated stubs (the lease
+suite's holders are ``tests.daemon.lease_holders``; both share the helpers here).
 
-    python -m tests.daemon.gsp_load load SOCKET OUT_DIR COUNT SEED THINK_S
-    python -m tests.daemon.gsp_load spawner SOCKET OUT_DIR
+    python -m tests.daemon.gsp_load load SOCKET OUT_DIR COUNT SEED THINK_S LIB
     python -m tests.daemon.gsp_load serve-planted serve --config ... (prefixd serve, planted bug)
     python -m tests.daemon.gsp_load zygote      (forks a `prefixd serve` per stdin line)
 
-``load`` (tests/crash/test_daemon_kill9.py): forks COUNT clients (indexes 0 .. COUNT - 1),
+``load`` (tests/crash/test_daemon_kill9.py): forks COUNT clients (indexes 0 .. COUNT - 1; the
+last LIB of them are ``tests.daemon.lib_load.LibClient``, through the client library),
 prints their pids and waits for stdin to close. Each sends gsp-like requests forever: opens a prompt (a
 shared system prefix and a unique suffix), writes the KV of its uncached tokens through
 ``WriteKV`` and commits at ``crash`` durability (``Commit``, then the sequence is held until
@@ -19,11 +20,6 @@ KV bytes (``ReadKV``) are consistent. One JSON line per Reclaim goes to ``OUT_DI
 Between requests it waits up to ``THINK_S`` (uniformly), as an engine between prompts: two
 cores run the daemon, eight clients and the checker, and the checker must keep up.
 
-``spawner`` (tests/daemon/test_leases.py): imports once, then forks a holder per stdin line
-``NAME MODE SEED`` and prints its pid. A holder attaches, opens sequences (``MODE`` says how:
-private uncommitted blocks, forks, pinned shared prefixes, and whether a KeepAlive stream holds
-the session), writes ``OUT_DIR/NAME.ready`` and waits to be killed.
-
 KV is a function of each token's whole prefix (``kv_of``), as a model's would be: two clients
 that share a prefix write identical bytes for it, so a committed block has one right value.
 """
@@ -36,7 +32,6 @@ import os
 import random
 import signal
 import sys
-import threading
 import time
 
 import grpc
@@ -258,10 +253,15 @@ class LoadClient:
             self.release(seq_id)
 
 
-def fork_clients(socket: str, out_dir: str, count: int, seed: int, think_s: float) -> None:
-    """Fork ``count`` load clients (one interpreter's imports for all: no channel exists here
-    before the forks), print their pids, and wait for stdin to close. Each client's stderr is
-    ``OUT_DIR/stderr-INDEX``; the kernel reaps them (SIGCHLD ignored)."""
+def fork_clients(socket: str, out_dir: str, count: int, seed: int, think_s: float,
+                 lib: int = 0) -> None:
+    """Fork ``count`` load clients, the last ``lib`` of them through the client library
+    (``tests.daemon.lib_load``), print their pids, and wait for stdin to close. One
+    interpreter's imports serve all (no channel exists here before the forks). Each client's
+    stderr is ``OUT_DIR/stderr-INDEX``; the kernel reaps them (SIGCHLD ignored)."""
+    client = LoadClient
+    if lib:
+        from tests.daemon.lib_load import LibClient  # torch, imported once before the forks
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     for index in range(count):
         pid = os.fork()
@@ -271,7 +271,9 @@ def fork_clients(socket: str, out_dir: str, count: int, seed: int, think_s: floa
                 fd = os.open(os.path.join(out_dir, f"stderr-{index}"),
                              os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
                 os.dup2(fd, 2)
-                LoadClient(socket, out_dir, index, seed * 100 + index, think_s).run()
+                if index >= count - lib:
+                    client = LibClient
+                client(socket, out_dir, index, seed * 100 + index, think_s).run()
             except BaseException:  # noqa: BLE001 - the test reads the traceback
                 import traceback
 
@@ -280,105 +282,6 @@ def fork_clients(socket: str, out_dir: str, count: int, seed: int, think_s: floa
                 os._exit(code)
         print(pid, flush=True)
     sys.stdin.read()
-
-
-# -- holders (lease suite) ------------------------------------------------------------------------
-
-HOLD_MODES = ("private", "forked", "pinned")
-
-
-def hold(socket: str, out_dir: str, name: str, mode: str, seed: int) -> None:
-    """Attach, take sequences as ``mode`` says, write ``NAME.ready``, wait to be killed.
-
-    ``mode`` is ``KIND[+keepalive|+stalled]``: ``private`` opens two unique prompts and writes
-    their KV (uncommitted private blocks); ``forked`` commits a unique prompt, forks it three
-    ways and extends each child (copy-on-write of the shared partial block); ``pinned`` opens a
-    shared system prefix (its indexed blocks pinned) and extends it. ``+keepalive`` holds the
-    session with a KeepAlive stream pinging every lease / 4; ``+stalled`` opens the stream,
-    pings once and never again; neither: no stream at all.
-    """
-    kind, _, ka = mode.partition("+")
-    rng = random.Random(seed)
-    stub = pb_grpc.PrefixCacheStub(grpc.insecure_channel("unix:" + socket))
-    reply = stub.Attach(pb.AttachRequest(client_name=name, layout=pb_layout()), timeout=10)
-    sid = reply.session_id
-    if ka:
-        _keepalive(stub, sid, reply.lease_s / 4 if ka == "keepalive" else None)
-    indexed = 0
-
-    def unique(n):
-        return [rng.randrange(50000, 90000) for _ in range(n)]
-
-    def open_(tokens):
-        seq = stub.Open(pb.OpenRequest(session_id=sid, tokens=packed(tokens)), timeout=10).sequence
-        write_kv(stub, sid, seq.seq_id, tokens, seq.cached_tokens)
-        return seq
-
-    if kind == "private":
-        for _ in range(2):
-            open_(unique(rng.randint(2 * BS, 5 * BS)))
-    elif kind == "forked":
-        tokens = unique(rng.randint(2 * BS, 4 * BS) + BS // 2)
-        seq = open_(tokens)
-        indexed += stub.Commit(pb.CommitRequest(session_id=sid, seq_id=seq.seq_id, durability="crash"),
-                               timeout=10).indexed_blocks
-        kids = stub.Fork(pb.ForkRequest(session_id=sid, seq_id=seq.seq_id, num_children=3),
-                         timeout=10).children
-        for kid in kids:
-            more = unique(rng.randint(1, BS))
-            stub.Extend(pb.ExtendRequest(session_id=sid, seq_id=kid.seq_id, tokens=packed(more)),
-                        timeout=10)
-    elif kind == "pinned":
-        tokens = rng.choice(systems())
-        seq = open_(tokens)
-        stub.Extend(pb.ExtendRequest(session_id=sid, seq_id=seq.seq_id, tokens=packed(unique(BS))),
-                    timeout=10)
-    else:
-        raise SystemExit(f"unknown hold mode {mode!r}")
-    with open(os.path.join(out_dir, name + ".ready.tmp"), "w") as f:
-        json.dump({"session": sid, "indexed": indexed}, f)
-    os.rename(os.path.join(out_dir, name + ".ready.tmp"), os.path.join(out_dir, name + ".ready"))
-    while True:
-        time.sleep(3600)
-
-
-def _keepalive(stub, sid: int, period: float | None) -> None:
-    """A KeepAlive stream on a thread: a ping every ``period`` s, or one ping and then silence
-    (``period`` None: a stalled client whose stream stays open)."""
-    stop = threading.Event()
-
-    def pings():
-        yield pb.KeepAliveRequest(session_id=sid)
-        while not stop.wait(period if period else 3600):
-            yield pb.KeepAliveRequest(session_id=sid)
-
-    def run():
-        try:
-            for _ in stub.KeepAlive(pings()):
-                pass
-        except grpc.RpcError:
-            pass
-
-    threading.Thread(target=run, daemon=True).start()
-
-
-def spawner(socket: str, out_dir: str) -> None:
-    """Fork a holder per stdin line ``NAME MODE SEED``; print its pid (holders are reaped by
-    the kernel: SIGCHLD is ignored). No channel exists here before a fork (gRPC and fork)."""
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
-    for line in sys.stdin:
-        name, mode, seed = line.split()
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                hold(socket, out_dir, name, mode, int(seed))
-            except BaseException as exc:  # noqa: BLE001 - reported through the ready file
-                with open(os.path.join(out_dir, name + ".failed"), "w") as f:
-                    f.write(repr(exc))
-                code = 3
-            os._exit(code)
-        print(pid, flush=True)
 
 
 # -- the daemon with a planted bug ----------------------------------------------------------------
@@ -430,10 +333,8 @@ def zygote() -> None:
 
 def main(argv: list[str]) -> int:
     if argv[0] == "load":
-        socket, out_dir, count, seed, think_s = argv[1:]
-        fork_clients(socket, out_dir, int(count), int(seed), float(think_s))
-    elif argv[0] == "spawner":
-        spawner(*argv[1:])
+        socket, out_dir, count, seed, think_s, lib = argv[1:]
+        fork_clients(socket, out_dir, int(count), int(seed), float(think_s), int(lib))
     elif argv[0] == "zygote":
         zygote()
     elif argv[0] == "serve-planted":

@@ -1,6 +1,6 @@
 """Sessions and leases on a real daemon process: clients that die without Detach leak nothing.
 
-Holders (``tests.daemon.gsp_load`` ``spawner``: forked processes that attach, take sequences
+Holders (``tests.daemon.lease_holders``: forked processes that attach, take sequences
 and wait) are SIGKILLed; within the lease their sessions end and every sequence and pin they
 held is released. "Released" is checked from the outside: ``Status`` counts the sessions, the
 indexed blocks are exactly those before plus what the holders committed, and a probe ``Open``
@@ -49,16 +49,17 @@ MODES = ("private", "forked", "pinned", "private+keepalive", "forked+keepalive",
 
 
 class Spawner:
-    """The fork server of holders (``gsp_load.spawner``) for daemon ``d``."""
+    """The fork server of holders (``lease_holders.spawner``) for daemon ``d``."""
 
     def __init__(self, d: DaemonProcess) -> None:
         self.out = os.path.join(d.base, "holders")
         os.makedirs(self.out, exist_ok=True)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.daemon.gsp_load", "spawner", d.socket, self.out],
+            [sys.executable, "-m", "tests.daemon.lease_holders", d.socket, self.out],
             cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True)
         self.n = 0
+        self.pids: list[int] = []
 
     def spawn(self, mode: str, seed: int) -> tuple[str, int]:
         """A holder in ``mode``; returns ``(name, pid)`` once it holds its sequences."""
@@ -66,7 +67,9 @@ class Spawner:
         name = f"h{self.n}"
         self.proc.stdin.write(f"{name} {mode} {seed}\n")
         self.proc.stdin.flush()
-        return name, int(self.proc.stdout.readline())
+        pid = int(self.proc.stdout.readline())
+        self.pids.append(pid)
+        return name, pid
 
     def ready(self, name: str, timeout: float = 60.0) -> dict:
         import json
@@ -82,7 +85,20 @@ class Spawner:
         with open(path + ".ready") as f:
             return json.load(f)
 
+    def kill(self, pid: int) -> None:
+        """SIGKILL holder ``pid`` (if it still is one: the kernel reaps them, pids get reused)."""
+        self.pids.remove(pid)
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"tests.daemon.lease_holders" not in f.read():
+                    return
+            os.kill(pid, signal.SIGKILL)
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+
     def close(self) -> None:
+        for pid in list(self.pids):  # holders a failed test left behind
+            self.kill(pid)
         self.proc.stdin.close()
         self.proc.wait(30)
 
@@ -170,7 +186,7 @@ def test_clients_killed_without_detach_release_everything_within_the_lease(short
         committed = sum(spawner.ready(name)["indexed"] for name, _ in holders)
         assert status(d) == (base_sessions + PER_CYCLE, base_blocks + committed)
         for _, pid in holders:
-            os.kill(pid, signal.SIGKILL)
+            spawner.kill(pid)
         worst = max(worst, wait_sessions(d, base_sessions, SHORT_LEASE + SLACK_S))
         base_blocks += committed
         assert status(d) == (base_sessions, base_blocks), "a release at session end indexed blocks"
@@ -197,7 +213,7 @@ def test_a_live_client_without_pings_loses_its_session_after_the_lease(short, mo
         wait_sessions(d, base[0], SHORT_LEASE + SLACK_S)
         os.kill(pid, 0)  # still alive: the lease, not the death of the client, ended it
     finally:
-        os.kill(pid, signal.SIGKILL)
+        spawner.kill(pid)
     assert status(d) == (base[0], base[1] + committed)
     probe_whole_device(d, 77)
 
