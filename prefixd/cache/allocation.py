@@ -118,6 +118,7 @@ class Allocation:
                 free(slots)
                 freed += len(slots)
                 append(new_event(BlocksDropped, (DEVICE, node.hashes, slots, forgotten)))
+            cache.stats.evicted_by_tier[DEVICE] += freed
         stats = cache.stats
         stats.evicted_blocks += freed
         stats.evict_ns += time.perf_counter_ns() - start

@@ -207,6 +207,7 @@ class PrefixCache:
         stats = self.stats
         stats.opens += 1
         stats.requested_tokens += num_tokens
+        stats.requested_blocks += num_tokens // bs
         stats.hit_tokens += num_cached * bs
         self.events.append(new_event(SeqOpened, (seq_id, num_tokens, num_cached, deepest_hash, extra)))
         return seq

@@ -74,7 +74,7 @@ class Tiering:
 
     def evict(self, tier: int, num_blocks: int) -> int:
         """Free at least ``num_blocks`` slots of ``tier`` if the queue allows; returns freed."""
-        tree, freed = self.tree, 0
+        tree, freed, stats = self.tree, 0, self.cache.stats
         while freed < num_blocks:
             node = tree.pop_victim(tier)
             if node is None:
@@ -82,13 +82,15 @@ class Tiering:
             if self._keeps(node, tier):
                 tree.lock(node)  # the cascade below must not take the victim
                 try:
-                    self.write_down(node, self._next_lower(tier))
+                    if self.write_down(node, self._next_lower(tier)):
+                        stats.demoted_by_tier[tier] += node.num_blocks
                     freed += self.drop(node, tier)
                 finally:
                     tree.unlock(node)  # re-queues it in the tier it went down to
             else:
                 freed += self.drop(node, tier)
             crash_point("evict_inside")
+        stats.evicted_by_tier[tier] += freed
         return freed
 
     def drop(self, node: Node, tier: int) -> int:
@@ -269,6 +271,7 @@ class Tiering:
                     self.tree.set_residency(head, DEVICE, dst[:good])
                     self._moved(head, DEVICE)
                     stats.hit_tokens_by_tier[src] += good * bs
+                    stats.promoted_by_tier[src] += good
                     done.append(head)
                     pos += good
                 break
@@ -278,6 +281,7 @@ class Tiering:
             self.tree.set_residency(n, DEVICE, dst)
             self._moved(n, DEVICE)
             stats.hit_tokens_by_tier[src] += n.num_blocks * bs
+            stats.promoted_by_tier[src] += n.num_blocks
             done.append(n)
             pos += n.num_blocks
         if pos < len(slots):

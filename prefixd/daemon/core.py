@@ -11,6 +11,7 @@ import secrets
 import time
 from collections import Counter
 
+from prefixd.daemon.metrics import RpcTimes
 from prefixd.daemon.settings import DaemonConfig
 from prefixd.daemon.sessions import SessionTable
 from prefixd.daemon.status import unavailable
@@ -38,6 +39,8 @@ class DaemonCore:
         self.sessions = SessionTable(config.lease_s, config.limits)
         self.calls: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
+        self.rpc_times = RpcTimes()  # latency by (method, status), fed by ``service.rpc``
+        self.metrics = None  # the Prometheus endpoint (``metrics_http.MetricsExporter``), if started
         self.in_flight = 0
         self.progress = RecoveryProgress()  # records replayed / to replay while recovering
         self.keepalive_tasks: set = set()  # KeepAlive handlers' tasks, cancelled at a stop

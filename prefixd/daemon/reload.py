@@ -9,7 +9,7 @@ not taken for a change) and compares it with what the daemon runs on:
 - settings that are safe to change live are applied, each named in one log line with its old
   and new value: ``[engine]`` eviction, write_policy, checkpoint_records, checkpoint_blocks
   (``prefixd.engine.live_settings``), ``[daemon]`` log_level, lease_s, shutdown_grace_s,
-  ``[daemon.limits]``, and the ``mode`` of ``[[daemon.sockets]]``;
+  ``[daemon.limits]``, ``[daemon.metrics]``, and the ``mode`` of ``[[daemon.sockets]]``;
 - every other change (pool sizes, state and shm dirs, sync, tenants, socket paths and owners,
   message sizes, ...) is refused with a warning that names the settings and says a restart
   applies them; the daemon keeps the running values of those.
@@ -94,6 +94,12 @@ def _set_nothing(core: DaemonCore, old, new) -> None:
     """A setting read where it is used (``core.config``), nothing to push."""
 
 
+def _set_metrics(core: DaemonCore, old, new) -> None:
+    """Move the Prometheus endpoint (OSError: the new address cannot be bound; the old stays)."""
+    if core.metrics is not None:
+        core.metrics.reconfigure(new)
+
+
 def _set_socket_modes(core: DaemonCore, old, new) -> None:
     for before, after in zip(old, new):
         if before.mode != after.mode and os.path.exists(after.path):
@@ -107,6 +113,7 @@ DAEMON_LIVE: dict[str, Callable] = {
     "shutdown_grace_s": _set_nothing,
     "limits": _set_limits,
     "sockets": _set_socket_modes,
+    "metrics": _set_metrics,
 }
 
 

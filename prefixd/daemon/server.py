@@ -41,6 +41,7 @@ from prefixd.daemon.settings import DaemonConfig, TenantSocket
 from prefixd.daemon.core import SERVING, STOPPING, DaemonCore
 from prefixd.daemon.config_watch import ConfigWatch
 from prefixd.daemon.lifecycle import Lifecycle
+from prefixd.daemon.metrics_http import MetricsExporter
 from prefixd.daemon.reload import ConfigSource, Reloader
 from prefixd.daemon.service import PrefixCacheService
 from prefixd.engine.config import EngineConfig
@@ -95,6 +96,8 @@ class Daemon:
             if self.source.path is not None:
                 self._watch = ConfigWatch(self.source.path, loop, self.reloader.request)
                 self._watch.start()
+            self.core.metrics = MetricsExporter(self.core, loop)  # Prometheus: metrics_http.py
+            self.core.metrics.start(self.core.config.metrics)
             for sock in self.sockets:  # 2
                 await self._serve_socket(sock)
             log.info("listening sockets=%s state_dir=%s pid=%d", ",".join(self._bound),
@@ -108,6 +111,7 @@ class Daemon:
         except BaseException:
             self.lifecycle.stopping()
             self._stop_watch()
+            self._stop_metrics()
             await self._close_servers(0)
             if lock is not None:
                 lock.release()
@@ -184,6 +188,7 @@ class Daemon:
         await self._drain(core.config.shutdown_grace_s)
         await self._close_servers(core.config.shutdown_grace_s)
         ticker.cancel()
+        self._stop_metrics()
         status = 0
         try:
             lsns = core.engine.checkpoint()
@@ -198,6 +203,10 @@ class Daemon:
             status = 1
         log.info("stopped status=%d", status)
         return status
+
+    def _stop_metrics(self) -> None:
+        if self.core.metrics is not None:
+            self.core.metrics.stop()
 
     def _stop_watch(self) -> None:
         self.reloader.cancel()

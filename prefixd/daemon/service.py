@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import os
 import shutil
 import time
+from time import perf_counter
 
 import grpc
 
@@ -26,6 +26,7 @@ from prefixd.api import prefixd_pb2 as pb
 from prefixd.api import prefixd_pb2_grpc as pb_grpc
 from prefixd.api.layout import KVLayout, as_token_bytes
 from prefixd.daemon.core import RECOVERING, DaemonCore
+from prefixd.daemon.metrics import stats_reply_parts
 from prefixd.daemon.sessions import Session
 from prefixd.daemon.status import RpcFailure, exhausted, invalid, status_of
 from prefixd.storage.errors import StorageError
@@ -36,7 +37,8 @@ _INT32 = "<i4"
 
 
 def rpc(fn):
-    """Count the call, check the daemon serves (unless ``always``), answer failures as statuses."""
+    """Count and time the call, check the daemon serves (unless ``always``), answer failures
+    as statuses."""
     name = fn.__name__
 
     @functools.wraps(fn)
@@ -44,19 +46,25 @@ def rpc(fn):
         core = self.core
         core.calls[name] += 1
         core.in_flight += 1
+        t0 = perf_counter()
+        status = "CANCELLED"
         try:
             if name not in _ALWAYS:
                 core.check_serving()
-            return await fn(self, request, context)
+            reply = await fn(self, request, context)
+            status = "OK"
+            return reply
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             core.errors[name] += 1
             code, message = status_of(exc)
+            status = code.name
             log.debug("call refused method=%s code=%s message=%s", name, code.name, message)
             await context.abort(code, message)
         finally:
             core.in_flight -= 1
+            core.rpc_times.observe(name, status, perf_counter() - t0)
 
     return handler
 
@@ -243,7 +251,7 @@ class PrefixCacheService(pb_grpc.PrefixCacheServicer):
         if request.previous_session_id == session.id:
             raise invalid("previous_session_id is this session: send the one of before the restart")
         reply = pb.ReclaimReply()
-        for item in session.pool.reclaim(request.previous_session_id):
+        for item in session.pool.reclaim(request.previous_session_id, session.id):
             out = reply.sequences.add(previous_seq_id=item.old_id, num_tokens=item.num_tokens)
             if item.seq is not None:
                 seq = item.seq
@@ -370,29 +378,8 @@ class PrefixCacheService(pb_grpc.PrefixCacheServicer):
     async def Stats(self, request, context):
         if request.session_id:
             self._session(request.session_id)
-        tenant_pools = {}
-        values = {}
-        for (tenant, layout), dc in self.core.engine.pool_items():
-            if tenant != self.tenant:
-                continue  # one tenant never counts another's blocks
-            stats = dc.cache.stats.as_dict()
-            blocks = list(dc.cache.tree.num_blocks_in)
-            tenant_pools[layout.model_id] = {"cache": stats, "blocks": blocks}
-            for key in ("requested_tokens", "hit_tokens", "opens", "evicted_blocks",
-                        "cow_blocks", "committed_blocks", "corrupt_blocks"):
-                name = f"prefixd_{key}_total"
-                values[name] = values.get(name, 0.0) + stats[key]
-            for tier, n in zip(("device", "host", "disk"), blocks):
-                name = f'prefixd_blocks{{tier="{tier}"}}'
-                values[name] = values.get(name, 0.0) + n
-        values["prefixd_sessions"] = float(sum(1 for s in self.core.sessions
-                                               if s.tenant == self.tenant))
-        for method, n in self.core.calls.items():
-            values[f'prefixd_rpc_calls_total{{method="{method}"}}'] = float(n)
-        for method, n in self.core.errors.items():
-            values[f'prefixd_rpc_errors_total{{method="{method}"}}'] = float(n)
-        doc = {"tenant": self.tenant, "pools": tenant_pools, "sessions": values["prefixd_sessions"]}
-        return pb.StatsReply(values=values, json=json.dumps(doc, sort_keys=True))
+        values, doc = stats_reply_parts(self.core, self.tenant)  # the metrics endpoint's numbers
+        return pb.StatsReply(values=values, json=doc)
 
     async def SubscribeEvents(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,

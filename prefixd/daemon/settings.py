@@ -18,6 +18,10 @@ policies, tenants), ``[daemon]`` is this::
     blocks_per_tenant = 16777216
     pools_per_tenant = 16                 # one pool per KV layout attached with
 
+    [daemon.metrics]                      # Prometheus exposition (prefixd.daemon.metrics_http)
+    listen = ""                           # "" off; "127.0.0.1:9464" (loopback only) or
+                                          #   "unix:/run/prefixd/metrics.sock"
+
     [[daemon.sockets]]                    # optional, per tenant: path, owner, group, mode
     tenant = "default"
     path = "/run/prefixd/prefixd.sock"
@@ -45,6 +49,7 @@ from prefixd.engine.errors import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SOCKET_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +75,48 @@ class TenantSocket:
 
 
 @dataclasses.dataclass(frozen=True)
+class MetricsConfig:
+    """Where the Prometheus endpoint listens: ``""`` (off, the default), ``"HOST:PORT"`` with
+    a loopback HOST (``127.0.0.1``, ``localhost``, ``[::1]``), or ``"unix:/abs/path"``.
+
+    NOTE: off by default: a fixed default port would make two daemons on one host (or a test
+    suite's daemons) fight over it; the sample config shows the line to turn it on. Loopback
+    only: the numbers name tenants and models, and the unit denies other addresses anyway.
+    """
+
+    listen: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.listen, str):
+            raise ConfigError(f"daemon.metrics.listen must be a string, got {self.listen!r}")
+        if self.listen:
+            self.address()  # validates
+
+    def address(self) -> tuple[str, int] | str:
+        """``(host, port)`` for TCP, the socket path for ``unix:``.
+
+        Raises ConfigError: not one of the forms above.
+        """
+        listen = self.listen
+        if listen.startswith("unix:"):
+            path = listen[5:]
+            if not os.path.isabs(path) or len(os.fsencode(path)) > SOCKET_MAX:
+                raise ConfigError(f"daemon.metrics.listen: {listen!r} needs an absolute socket "
+                                  f"path of at most {SOCKET_MAX} bytes after unix:")
+            return path
+        host, sep, port = listen.rpartition(":")
+        host = host.strip("[]")
+        if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"daemon.metrics.listen must be \"\" (off), \"127.0.0.1:PORT\" or "
+                              f"\"unix:/path\", got {listen!r}")
+        if host not in LOOPBACK:
+            raise ConfigError(f"daemon.metrics.listen: {host!r} is not a loopback address; the "
+                              f"endpoint listens on {', '.join(LOOPBACK)} only (put a proxy in "
+                              f"front to reach it from elsewhere)")
+        return host, int(port)
+
+
+@dataclasses.dataclass(frozen=True)
 class DaemonConfig:
     """Every daemon setting and its default (see the module docstring for the TOML form)."""
 
@@ -81,6 +128,7 @@ class DaemonConfig:
     shutdown_grace_s: float = 10.0
     limits: Limits = Limits()
     sockets: tuple[TenantSocket, ...] = ()
+    metrics: MetricsConfig = MetricsConfig()
 
     def __post_init__(self) -> None:
         for key in ("lease_s", "shutdown_grace_s"):
@@ -134,7 +182,14 @@ class DaemonConfig:
             raise ConfigError(f"[daemon] must be a table, got {table!r}")
         known = [f.name for f in dataclasses.fields(cls)]
         _refuse_unknown("daemon", table, known)
-        kwargs = {k: v for k, v in table.items() if k not in ("limits", "sockets")}
+        kwargs = {k: v for k, v in table.items() if k not in ("limits", "sockets", "metrics")}
+        if "metrics" in table:
+            metrics = table["metrics"]
+            if not isinstance(metrics, Mapping):
+                raise ConfigError(f"[daemon.metrics] must be a table, got {metrics!r}")
+            _refuse_unknown("daemon.metrics", metrics,
+                            [f.name for f in dataclasses.fields(MetricsConfig)])
+            kwargs["metrics"] = MetricsConfig(**metrics)
         if "limits" in table:
             limits = table["limits"]
             if not isinstance(limits, Mapping):

@@ -29,6 +29,7 @@ NOTE: Future callbacks run on the committer thread. They must not block on this 
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
@@ -48,6 +49,11 @@ READER_CHECK_GROUPS = 4096
 READER_CHECK_S = 60.0
 GATHER_STEP_S = 0.0003  # a wanted group waits this long for more records, while they keep coming
 GATHER_MAX_S = 0.002    # ... at most this long (see GroupCommitter._gather)
+# histogram bucket upper bounds (the daemon exports them as prefixd_wal_commit_seconds and
+# prefixd_wal_group_records; one more bucket counts what is above the last bound)
+COMMIT_S_BOUNDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                   0.25, 0.5, 1.0, 2.5)
+GROUP_SIZE_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096)
 
 
 class WalStats(NamedTuple):
@@ -65,6 +71,9 @@ class WalStats(NamedTuple):
     next_lsn: int
     committed_lsn: int
     durable_lsn: int
+    # per-group counts by bucket (``COMMIT_S_BOUNDS``, ``GROUP_SIZE_BOUNDS``; last: above them)
+    commit_s_buckets: tuple[int, ...] = ()
+    group_size_buckets: tuple[int, ...] = ()
 
 
 class _Taken(NamedTuple):
@@ -112,6 +121,8 @@ class GroupCommitter:
         self._groups_since_reader_check = 0
         self._n_groups = self._n_records = self._last_size = self._n_syncs = self._n_checkpoints = 0
         self._last_s = self._total_s = self._max_s = 0.0
+        self._commit_buckets = [0] * (len(COMMIT_S_BOUNDS) + 1)
+        self._size_buckets = [0] * (len(GROUP_SIZE_BOUNDS) + 1)
         self._thread = threading.Thread(target=self._run, name="prefixd-wal-committer", daemon=True)
 
     def start(self) -> None:
@@ -333,6 +344,8 @@ class GroupCommitter:
         self._last_s = elapsed
         self._total_s += elapsed
         self._max_s = max(self._max_s, elapsed)
+        self._commit_buckets[bisect.bisect_left(COMMIT_S_BOUNDS, elapsed)] += 1
+        self._size_buckets[bisect.bisect_left(GROUP_SIZE_BOUNDS, len(group))] += 1
         self._groups_since_reader_check += 1
         with self._cv:
             self._committed_lsn = last
@@ -414,7 +427,8 @@ class GroupCommitter:
         with self._cv:
             lsns = (self._next_lsn, self._committed_lsn, self._durable_lsn)
         return WalStats(self._n_groups, self._n_records, self._last_size, self._last_s, self._total_s,
-                        self._max_s, self._n_syncs, self._n_checkpoints, self._wenv.num_map_grows, *lsns)
+                        self._max_s, self._n_syncs, self._n_checkpoints, self._wenv.num_map_grows, *lsns,
+                        tuple(self._commit_buckets), tuple(self._size_buckets))
 
     def count_checkpoint(self) -> None:
         self._n_checkpoints += 1
