@@ -329,7 +329,7 @@ def crash_at_a_group(planted: bool, n: int) -> None:
 
 @pytest.mark.soak
 @pytest.mark.timeout(1800)
-def test_the_daemon_kill_9_check_catches_a_commit_acknowledged_before_its_ticket():
+def test_the_daemon_kill_9_check_catches_a_commit_acknowledged_before_its_ticket(capsys):
     """Control for the suite above, with a planted bug.
 
     The plant (``gsp_load.serve_planted``): the daemon's Commit replies as soon as the engine
@@ -347,6 +347,9 @@ def test_the_daemon_kill_9_check_catches_a_commit_acknowledged_before_its_ticket
             crash_at_a_group(planted=True, n=n)
         except AssertionError as exc:
             if "acknowledged commit lost" in str(exc):
+                with capsys.disabled():
+                    print(f"\nplanted ack-before-ticket caught at wal_before_commit:{n}: "
+                          f"{str(exc).splitlines()[0][:160]}")
                 return
             raise
     raise AssertionError("a daemon that acknowledges commits before their tickets resolve lost "
