@@ -5,14 +5,31 @@ own SDPA attention and ``DynamicCache``; the paged run keeps no cache of its own
 K/V from a block-major pool through block tables with deliberately scattered slots.
 """
 
+import os
+import sys
+
 import pytest
 import torch
 
-from prefixd.kernels import ATTENTION_NAME, PagedKVContext, register_hf_attention
+if not torch.cuda.is_available():  # before anything imports triton (see tests/kernels/conftest.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from prefixd.client.hf_attention import ATTENTION_NAME, PagedKVContext, register_hf_attention
 
 transformers = pytest.importorskip("transformers")
 
 BLOCK_SIZE = 4
+
+
+@pytest.fixture
+def triton_ready():
+    """Fail loudly (not skip) if triton was imported compiled on a machine without CUDA."""
+    if not torch.cuda.is_available() and "triton" in sys.modules:
+        from prefixd.kernels.launch import interpreter_active
+
+        if not interpreter_active():
+            pytest.fail("triton was imported before TRITON_INTERPRET=1 could be set; run these "
+                        "tests on their own")
 NUM_LAYERS = 2
 
 
