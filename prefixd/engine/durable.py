@@ -384,14 +384,17 @@ class DurableCache:
         return n
 
     @_poison_on_storage_error
-    def reclaim(self, session_id: int) -> list[Reclaimed]:
+    def reclaim(self, session_id: int, new_session_id: int | None = None) -> list[Reclaimed]:
         """Reopen the recovered sequences of ``session_id`` on their surviving blocks
-        (``prefixd.engine.reclaim``); see ``reclaim.reopen`` for a refusal halfway."""
+        (``prefixd.engine.reclaim``); see ``reclaim.reopen`` for a refusal halfway. They
+        belong to ``new_session_id`` from then on (default: ``session_id``), in memory and in
+        the log, so a later restart finds them under the session that reclaimed them."""
+        owner = session_id if new_session_id is None else new_session_id
         out = []
         for item in reclaim.reopen(self.cache, self.recovered, session_id):
             if item.seq is not None:
-                self._sessions[item.seq.id] = session_id
-            self._log(session_id)
+                self._sessions[item.seq.id] = owner
+            self._log(owner)
             out.append(item)
         return out
 

@@ -84,10 +84,6 @@ def test_after_kill9_sessions_reattach_and_reclaim_what_was_committed():
 
 
 @pytest.mark.soak
-@pytest.mark.skip(reason="daemon bug: Reclaim logs a reclaimed sequence under the PREVIOUS session id "
-                         "(service.Reclaim passes previous_session_id to DurableCache.reclaim, which both "
-                         "selects and re-owns by it), so after a second kill -9 Reclaim(the session that "
-                         "reclaimed it) returns nothing and the handle is lost")
 def test_repeated_kill9_cycles_keep_every_committed_prefix():
     """Each cycle commits one more block of a growing prompt, kills the daemon mid-way through
     writing the next, restarts it; the reclaimed handle always holds every committed block

@@ -102,6 +102,28 @@ def test_recovered_sequences_are_cut_to_their_committed_blocks_and_reclaimed(mak
     assert not dc.recovered, "a reclaimed sequence must not come back again"
 
 
+def test_a_reclaimed_sequence_belongs_to_the_session_that_reclaimed_it(make):
+    """Bug: ``reclaim(old)`` logged the reopened sequence under ``old`` again, so after a
+    second restart ``reclaim(new)`` (the session that reclaimed it) found nothing and only the
+    long-gone session's id did."""
+    dc = make()
+    tokens = [3, 3, 4, 4, 5, 5, 6]
+    seq = dc.open(tokens, session_id=7)
+    dc.commit(seq.id).result()
+    dc.close()
+    dc = make()
+    got = dc.reclaim(7, 8)
+    assert len(got) == 1 and got[0].seq is not None
+    dc.flush().result()
+    dc.close()
+    dc = make()
+    assert dc.reclaim(7) == []
+    again = dc.reclaim(8, 9)
+    assert len(again) == 1 and again[0].num_tokens == 6
+    dc.check_invariants()
+    dc.close()
+
+
 def test_unclaimed_recovered_sequences_are_released_after_the_grace_period(make):
     dc = make()
     seq = dc.open([1, 2, 3, 4, 5], session_id=3)
