@@ -130,13 +130,13 @@ class Clients:
     """``CLIENTS`` load processes (forked by one ``gsp_load load``) writing their acks and
     events under ``out``."""
 
-    def __init__(self, socket: str, out: str, seed: int) -> None:
+    def __init__(self, socket: str, out: str, seed: int, think_s: float = THINK_S) -> None:
         self.out = out
         env = dict(os.environ, PYTHONPATH=ROOT)
         env.pop("PREFIXD_CRASH", None)
         self.parent = subprocess.Popen(
             [sys.executable, "-m", "tests.daemon.gsp_load", "load", socket, out, str(CLIENTS),
-             str(seed), str(THINK_S), str(LIB_CLIENTS)], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+             str(seed), str(think_s), str(LIB_CLIENTS)], cwd=ROOT, env=env, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True)
         self._procs: list[Forked] = []
 
@@ -308,7 +308,7 @@ def crash_at_a_group(planted: bool, n: int) -> None:
     clients = None
     try:
         d.start()
-        clients = Clients(d.socket, out, n)
+        clients = Clients(d.socket, out, n, think_s=0.0)  # many commits in every group
         deadline = time.monotonic() + 120
         while d.proc.poll() is None and time.monotonic() < deadline:
             clients.check_alive()
@@ -342,7 +342,7 @@ def test_the_daemon_kill_9_check_catches_a_commit_acknowledged_before_its_ticket
     plant: LMDB writes reach the page cache, which a kill -9 does not lose.
     """
     crash_at_a_group(planted=False, n=80)
-    for n in (80, 120, 160):
+    for n in (80, 120, 160, 200, 240):
         try:
             crash_at_a_group(planted=True, n=n)
         except AssertionError as exc:
@@ -353,4 +353,4 @@ def test_the_daemon_kill_9_check_catches_a_commit_acknowledged_before_its_ticket
                 return
             raise
     raise AssertionError("a daemon that acknowledges commits before their tickets resolve lost "
-                         "nothing acknowledged at 3 crash points: the check cannot see a loss")
+                         "nothing acknowledged at 5 crash points: the check cannot see a loss")
