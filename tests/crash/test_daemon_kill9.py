@@ -1,13 +1,15 @@
 """``kill -9`` of a real daemon under load from 8 client processes, then restart.
 
-Eight ``tests.daemon.gsp_load load`` processes send gsp-like requests (open a prompt with a
-shared prefix, WriteKV its uncached tokens, commit at ``crash``, release) and log every commit
-whose reply they received, with the digest of its KV bytes. The test SIGKILLs the daemon at a
+Eight client processes (``tests.daemon.gsp_load``: four over the raw stubs, four through
+``prefixd.client``) send gsp-like requests (open a prompt with a shared prefix, write its
+uncached tokens' KV, commit at ``crash``, release) and log every commit whose reply they
+received, with the digest of its KV bytes. The test SIGKILLs the daemon at a
 random moment, restarts it on the same state, and checks every commit acknowledged before the
 kill: a hit on all its full blocks (``Lookup``) with identical bytes (``Open`` + ``ReadKV``).
 Meanwhile each client reconnects by itself, ``Reclaim``s its previous session and checks that
 the sequences it held (acknowledged, not released) came back with their tokens and bytes; the
-test asserts every client reconnected after every kill and found nothing wrong.
+test asserts every client reconnected after every kill and found nothing wrong. The daemon
+restarts as a fork of a zygote that imported it once (``ForkedDaemon``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import pytest
 
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.crashpoints import CRASH_EXIT_CODE
-from tests.daemon.gsp_load import digest, packed, pb_layout, read_kv, read_lines
+from tests.daemon.gsp_load import BS, digest, packed, pb_layout, read_kv, read_lines
 from tests.daemon.harness import ROOT, DaemonProcess
 
 CLIENTS = 8
@@ -213,7 +215,7 @@ def verify(d: DaemonProcess, acks: list[dict]) -> int:
         stub.Release(pb.ReleaseRequest(session_id=sid, seq_id=seq.seq_id), timeout=30)
         if digest(data) != ack["digest"]:
             changed.append(f"{len(ack['tokens'])} tokens: KV bytes differ")
-        blocks += ack["full"] // 16
+        blocks += ack["full"] // BS
     stub.Detach(pb.DetachRequest(session_id=sid), timeout=30)
     assert not lost, f"acknowledged commit lost: {len(lost)} of {len(acks)}: {lost[:5]}"
     assert not changed, f"acknowledged commit changed: {len(changed)} of {len(acks)}: {changed[:5]}"
