@@ -369,6 +369,7 @@ class DurableCache:
         release unclaimed recovered sequences (which every mutating call also does)."""
         self.spill()
         self._reclaim()
+        self._order.durable_position()  # drops the marks of durable records (else they pile up)
         self._expire_if_due()
 
     def _expire_if_due(self) -> None:

@@ -138,6 +138,11 @@ class OrderedLog:
         _chain(self._wal.flush(), fut, value)
         return fut
 
+    @property
+    def num_marks(self) -> int:
+        """Appended steps whose durability is not yet folded into ``durable_position``."""
+        return len(self._marks)
+
     def durable_position(self) -> int:
         """Every record at or below the returned position is durable (engine thread only)."""
         marks = self._marks
