@@ -88,17 +88,19 @@ class PrefixdCache(Cache):
         if got != want:
             raise InvalidArgument(f"the session's layout {got} does not match the model's KV {want}: connect with "
                                   "prefixd.client.hf.layout_for(model, model_id)")
-        self.pool = session.pool
-        if self.pool is None:
+        if session.pool is None:
             raise MappingError("PrefixdCache attends over the mapped pool: connect with mapped=True on the daemon's "
                                "host (the KV rpcs would copy every layer's K/V through the socket)")
-        if self.pool.tensor.device != model.device:
-            raise InvalidArgument(f"the pool is on {self.pool.tensor.device} and the model on {model.device}: run "
-                                  "the model where the daemon's device tier is")
+        if session.pool.tensor.device != model.device:
+            raise InvalidArgument(f"the pool is on {session.pool.tensor.device} and the model on {model.device}: "
+                                  "run the model where the daemon's device tier is")
         self.block_size = layout.block_size
         self.prompts, self.pads = _prompts(input_ids, attention_mask)
         self.width = input_ids.shape[1]
         self.parents = self._open_all()
+        # NOTE: taken after the opens: a recovery (daemon restart) remaps the pool, and K/V stored
+        # into the previous mapping would never reach the daemon's blocks.
+        self.pool = session.pool
         # Tokens of each prompt not computed again: the cached prefix, less at least one token.
         self.usable = [min(s.cached_tokens, len(p) - 1) for s, p in zip(self.parents, self.prompts)]
         self.skip = min(pad + use for pad, use in zip(self.pads, self.usable))
@@ -203,6 +205,9 @@ class PrefixdCache(Cache):
         if ids is None or ids.dim() != 2:
             raise InvalidArgument("PrefixdCache needs input_ids [batch, length] (not inputs_embeds)")
         self._context = None
+        if self.session.pool is not self.pool:
+            raise DaemonRestarted("the session re-attached and remapped the pool during this request: run the "
+                                  "request again with a new PrefixdCache", [])
         if self.forwards == 0:
             self._context = self._prefill_context(ids)
         else:
@@ -300,9 +305,9 @@ class PrefixdCache(Cache):
             try:
                 try:
                     self.session.release(seq, commit=commit, durability=self.durability)
-                except DaemonRestarted:  # told once per changed handle; the release itself is due
-                    if not (seq.released or seq.lost):
-                        self.session.release(seq, commit=commit, durability=self.durability)
+                except DaemonRestarted:  # told once per changed handle; the release itself is due,
+                    if not (seq.released or seq.lost):  # not a commit: its K/V may be in an old mapping
+                        self.session.release(seq, commit=False)
             except Exception as exc:
                 log.warning("release of sequence %s failed: %s", seq.id, exc)
                 error = error or exc

@@ -8,6 +8,7 @@ positions the model ran on with a forward pre-hook on the embeddings. One daemon
 import json
 import os
 import subprocess
+import types
 import sys
 
 import pytest
@@ -231,3 +232,35 @@ def test_a_committed_prefix_survives_kill_9_of_the_daemon(model, daemon):
         assert not s.sequences
     assert torch.equal(got, want)
     assert cache.cached_tokens == [32] and ran == 40 - 32 + NEW_TOKENS - 1
+
+
+class RestartingSession:
+    """A stub session whose first open meets a daemon restart: it re-attaches (a new mapping)
+    and raises DaemonRestarted, as the client library does."""
+
+    def __init__(self, layout):
+        self.layout = layout
+        self.pool = types.SimpleNamespace(tensor=torch.zeros(4, *layout.block_shape))
+        self.opens = 0
+        self.released = []
+
+    def open(self, tokens):
+        self.opens += 1
+        if self.opens == 1:
+            self.pool = types.SimpleNamespace(tensor=torch.zeros(4, *self.layout.block_shape))
+            raise pc.DaemonRestarted("the daemon restarted during open", [])
+        return types.SimpleNamespace(id=self.opens, cached_tokens=0, lost=False, released=False,
+                                     block_table=[0], num_indexed=0)
+
+    def release(self, seq, commit=False, durability="crash"):
+        seq.released = True
+        self.released.append((seq.id, commit))
+
+
+def test_a_request_opened_again_after_a_restart_stores_into_the_new_mapping(model):
+    """Bug: the cache took session.pool before opening; an open that met a restart was redone
+    against the re-attached session, but K/V went to the previous mapping (wrong tokens)."""
+    session = RestartingSession(layout_for(model, "tiny-llama"))
+    with PrefixdCache(session, model, torch.tensor([prompt(13, 5)])) as cache:
+        assert session.opens == 2 and cache.pool is session.pool
+    assert session.released == [(2, False)]  # no forward ran: nothing to commit

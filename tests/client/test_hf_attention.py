@@ -135,3 +135,35 @@ def test_paged_kv_context_maps_new_tokens_to_their_slots():
     assert ctx.slot_mapping.tolist() == [9 * 4 + 3, 2 * 4 + 0, 2 * 4 + 1, 3 * 4 + 2, 3 * 4 + 3,
                                          12 * 4 + 0]
     assert ctx.query_start_loc.tolist() == [0, 3, 6] and ctx.max_seq_len == 6
+
+
+def test_rows_of_different_lengths_attend_only_for_their_new_tokens(model):
+    """for_rows: row 0 has 8 of its 13 tokens in the pool and brings 2 already-stored columns
+    before its 5 new ones; row 1 brings all 7 of its tokens. Each row's new tokens get the
+    logits of a full prefill, and stored columns are not written again (slot -1)."""
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randint(0, 128, (13,), generator=g), torch.randint(0, 128, (7,), generator=g)
+    with torch.no_grad():
+        want_a = _hf_logits(model, a[None], a[None, :0])[0][0]
+        want_b = _hf_logits(model, b[None], b[None, :0])[0][0]
+        model.set_attn_implementation(ATTENTION_NAME)
+        pool = _pool()
+        _paged_forward(model, pool, TABLES[:1], a[None, :8], 8, "reference")
+        ctx = PagedKVContext.for_rows(pool, TABLES, torch.tensor([13, 7]), [5, 7], 7, write_from=[8, 0],
+                                      backend="reference")
+        ids = torch.stack([a[6:], b])
+        positions = torch.stack([torch.arange(6, 13), torch.arange(7)])
+        got = model(ids, paged_kv=ctx, use_cache=False, position_ids=positions).logits
+    assert ctx.query_index.tolist() == [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
+    assert ctx.slot_mapping.tolist()[:5] == [14 * 4 + 0, 14 * 4 + 1, 14 * 4 + 2, 14 * 4 + 3, 5 * 4 + 0]
+    torch.testing.assert_close(got[0, 2:], want_a[8:], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1], want_b, atol=1e-4, rtol=1e-4)
+    ctx = PagedKVContext.for_rows(pool, TABLES, torch.tensor([13, 7]), [5, 7], 7, write_from=[11, 7])
+    assert ctx.slot_mapping.tolist() == [-1, -1, -1, 14 * 4 + 3, 5 * 4 + 0] + [-1] * 7
+
+
+def test_paged_kv_context_rejects_row_counts_out_of_range():
+    with pytest.raises(ValueError, match="new_counts must be 2 counts in \\[1, 3\\]"):
+        PagedKVContext.for_rows(_pool(), TABLES, torch.tensor([6, 5]), [3, 4], 3)
+    with pytest.raises(ValueError, match="new_counts must be 2 counts"):
+        PagedKVContext.for_rows(_pool(), TABLES, torch.tensor([6, 5]), [0, 1], 3)
