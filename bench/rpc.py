@@ -170,13 +170,13 @@ def run(args) -> dict:
     rounds = 2 if quick else 4
     blocks = (131072, 131072, args.disk_blocks)  # both gsp workloads fit: no eviction
     sections = args.sections
-    tmp = tempfile.mkdtemp(prefix="pdb-floor-", dir="/tmp")
-    echo_path = os.path.join(tmp, "echo.sock")
     result: dict = {"bench": "rpc"}
     t_start = time.monotonic()
     load_before = os.getloadavg()
-    with EchoServer(echo_path), BenchDaemon(blocks, (TINY_LAYOUT["model_id"], 4096),
-                                            profile=args.profile) as daemon:
+    with tempfile.TemporaryDirectory(prefix="pdb-floor-", dir="/tmp") as tmp, \
+            EchoServer(os.path.join(tmp, "echo.sock")) as echo_server, \
+            BenchDaemon(blocks, (TINY_LAYOUT["model_id"], 4096), profile=args.profile) as daemon:
+        echo_path = echo_server.path
         echo = EchoClient(echo_path)
         echo.wait_ready()
         seconds = {"start": time.monotonic() - t_start}
@@ -197,9 +197,6 @@ def run(args) -> dict:
         status = daemon.stop()
         if status != 0:
             raise RuntimeError(f"the daemon stopped with status {status}:\n{daemon.log()}")
-    import shutil
-
-    shutil.rmtree(tmp, ignore_errors=True)
     import grpc
     import torch
 
