@@ -30,13 +30,16 @@ from prefixd.tools.ttft_plot import plot_ttft
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 PLOT = ROOT / "bench" / "out" / "demo_ttft.png"
 BENCH_PLOT = ROOT / "docs" / "bench" / "e2e_ttft.png"
-STATS_SHOWN = ("lookup", "hit", "commit", "block", "session", "recover")
+# Stats names shown in the summary (the rest: `prefixctl stats`, or the Prometheus endpoint).
+STATS_SHOWN = {"prefixd_hit_tokens_total": "prompt tokens served from cache",
+               "prefixd_requested_tokens_total": "prompt tokens asked for",
+               "prefixd_committed_blocks_total": "blocks committed"}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m prefixd.tools.demo_model", description=__doc__.splitlines()[0])
-    parser.add_argument("--questions", type=int, default=5)
-    parser.add_argument("--restart-at", type=int, default=3, help="questions asked before the kill -9")
+    parser.add_argument("--questions", type=int, default=4)
+    parser.add_argument("--restart-at", type=int, default=2, help="questions asked before the kill -9")
     parser.add_argument("--system-tokens", type=int, default=1500)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--keep", action="store_true", help="keep the daemon's directory (its log)")
@@ -61,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     _say(f"2. prefixd serve: state {daemon.state_dir}, socket {daemon.socket}")
     from tqdm import tqdm
 
+    _say("3. questions (prefixd vs transformers' own cache, greedy):")
     bar = tqdm(total=len(requests), desc="   questions", unit="q", file=sys.stdout, leave=False)
 
     def on_row(row: e2e_run.Row, index: int, total: int) -> None:
@@ -75,7 +79,6 @@ def main(argv: list[str] | None = None) -> int:
              f"{restart_s:.1f} s, the client's session recovered {reconnect_s:.2f} s later")
         bar.refresh()
 
-    _say("3. questions (prefixd vs transformers' own cache, greedy):")
     try:
         result = e2e_run.run_requests(loaded.model, requests, daemon, new_tokens=args.new_tokens,
                                       restart_at=args.restart_at, on_row=on_row, on_restart=on_restart)
@@ -96,9 +99,7 @@ def main(argv: list[str] | None = None) -> int:
          f"({summary['warm_ratio']:.2f}x), first after the restart {summary['ttft_after_restart_ms']:.0f} ms "
          f"({summary['restart_ratio']:.2f}x)")
     _say(f"   answers equal to the no-cache ones: {sum(r['tokens_equal'] for r in rows)} of {len(rows)}")
-    shown = {k: v for k, v in sorted(result.stats.items())
-             if any(s in k for s in STATS_SHOWN) and not k.endswith(("_bucket", "_sum", "_created"))}
-    _say("   daemon metrics (Stats rpc): " + ", ".join(f"{k}={v:g}" for k, v in list(shown.items())[:12]))
+    _say("   daemon metrics since the restart (Stats rpc): " + _metrics(result.stats))
     _say(f"   plot of this run: {plot}" + (f"; of the full benchmark: {BENCH_PLOT}" if BENCH_PLOT.exists() else ""))
     _say(f"   daemon stopped with SIGTERM: exit status {result.stop_code}")
 
@@ -116,6 +117,20 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     _say("OK: every answer identical, warm across kill -9.")
     return 0
+
+
+def _metrics(stats: dict) -> str:
+    """One line of the daemon's counters (they count from its last start: the restart)."""
+    def total(name: str, *labels: str) -> float | None:
+        found = [v for k, v in stats.items() if k.split("{")[0] == name and all(x in k for x in labels)]
+        return sum(found) if found else None
+
+    parts = [f"{label} {value:,.0f}" for name, label in STATS_SHOWN.items()
+             if (value := total(name)) is not None]
+    tiers = {t: total("prefixd_blocks", f'tier="{t}"', 'state="indexed"') for t in ("device", "host", "disk")}
+    if any(v is not None for v in tiers.values()):
+        parts.append("indexed blocks " + ", ".join(f"{t} {v:,.0f}" for t, v in tiers.items() if v is not None))
+    return "; ".join(parts) or "(none reported)"
 
 
 def _show_row(row: e2e_run.Row, index: int, tokenizer) -> None:

@@ -28,6 +28,7 @@ def plot_ttft(rows: list[dict], restart_after: int | None, path: str | pathlib.P
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -44,6 +45,7 @@ def plot_ttft(rows: list[dict], restart_after: int | None, path: str | pathlib.P
         ax.axvline(restart_after + 0.5, color="black", ls="--", lw=1)
         ax.annotate("daemon kill -9\n+ restart", (restart_after + 0.6, ax.get_ylim()[1] * 0.9),
                     fontsize=8, va="top")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel("request (in the order served)")
     ax.set_ylabel("time to first token (ms)")
     ax.set_ylim(bottom=0)
