@@ -200,7 +200,8 @@ class LoadClient:
     def attach(self) -> None:
         if self.session:
             self.pending.append({"session": self.session, "known": dict(self.known),
-                                 "held": dict(self.held), "lenient": self.lenient})
+                                 "held": dict(self.held), "lenient": self.lenient,
+                                 "moved": False})
         self.session, self.known, self.held, self.lenient = 0, {}, {}, False
         backoff = 0.02
         while True:
@@ -217,7 +218,7 @@ class LoadClient:
                 got = self.call(self.stub.Reclaim, pb.ReclaimRequest(
                     session_id=self.session, previous_session_id=entry["session"]), timeout=30)
             except Reconnect:
-                entry["lenient"] = self.lenient = True  # some may have moved to this session
+                entry["moved"] = self.lenient = True  # some may have moved to this session
                 raise
             self.pending.remove(entry)
             self.check_reclaim(entry, got)
@@ -228,7 +229,7 @@ class LoadClient:
         for seq_id, ack in entry["held"].items():
             s = back.get(seq_id)
             if s is None or s.num_tokens < ack["full"]:
-                if not entry["lenient"]:
+                if not entry["moved"]:  # unless a cut Reclaim moved them
                     bad.append(f"held sequence {seq_id} (acknowledged {ack['full']} tokens) came "
                                f"back with {None if s is None else s.num_tokens}")
         for s in got.sequences:
@@ -248,7 +249,7 @@ class LoadClient:
                     bad.append(f"sequence {s.previous_seq_id} came back with other KV bytes")
         self.events.add({"reclaim": entry["session"], "session": self.session,
                          "held": len(entry["held"]), "returned": len(got.sequences),
-                         "lenient": entry["lenient"], "bad": bad})
+                         "lenient": entry["lenient"], "moved": entry["moved"], "bad": bad})
         for seq_id in [s.seq_id for s in got.sequences if s.seq_id]:
             self.release(seq_id)
 

@@ -75,6 +75,9 @@ class LibClient:
         held, self.held = self.held, None
         if held is not None:
             seq, ack = held
+            deadline = time.monotonic() + 60
+            while not (seq.reclaimed or seq.lost) and time.monotonic() < deadline:
+                time.sleep(0.01)  # the new session id shows before the recovery updates handles
             if seq.lost or not seq.reclaimed or seq.num_tokens < ack["full"]:
                 bad.append(f"held sequence ({ack['full']} tokens acknowledged) came back lost="
                            f"{seq.lost} reclaimed={seq.reclaimed} with {seq.num_tokens} tokens")
