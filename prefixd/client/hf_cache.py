@@ -58,8 +58,8 @@ class PrefixdCache(Cache):
     prefix are computed and written) -> at the second forward, the prompts' full blocks are
     committed and, when ``generate`` expanded each prompt into ``n`` rows
     (``num_return_sequences``), each prompt's sequence is forked into ``n`` children (the parent is
-    released after their first extend) -> each decode forward extends every row's sequence by its token first, then the
-    attention writes the token's K/V -> ``close`` releases every sequence (committing its full
+    released after their first extend) -> each decode forward extends every row's sequence by its
+    token first, then the attention writes the token's K/V -> ``close`` releases every sequence (committing its full
     blocks unless the generation failed) and gives the model its attention back.
 
     Invariants: a token is added to a daemon sequence only by the forward that writes its K/V, so
@@ -68,9 +68,10 @@ class PrefixdCache(Cache):
     each decode step); ``get_seq_length()`` counts the columns of ``input_ids`` the cache holds
     (the common skipped prefix, then every forwarded column), as ``DynamicCache`` does.
 
-    NOTE: a prompt fully cached still computes its last token (its logits start generation); that
-    token's K/V are attended for from the pool and not stored again (its block is committed).
-    Rows of one batch skip only the columns every row has cached (``generate`` slices one
+    NOTE: a prompt must compute at least its last token (its logits start generation). The daemon
+    serves at most ``len - 1`` tokens, in whole blocks, so a prompt of whole cached blocks
+    recomputes its last block; were a prompt served whole, its last token would be attended for
+    from the pool and not stored again (``write_from``: its block is committed). Rows of one batch skip only the columns every row has cached (``generate`` slices one
     ``input_ids`` for all rows); a row with more cached computes those columns but neither
     attends for them nor stores them.
     """
@@ -113,8 +114,13 @@ class PrefixdCache(Cache):
         self._context: PagedKVContext | None = None
         config = model.config
         self._previous_attention = config._attn_implementation
-        model.set_attn_implementation(register_hf_attention())
-        self._hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        try:
+            model.set_attn_implementation(register_hf_attention())
+            self._hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        except BaseException:
+            model.set_attn_implementation(self._previous_attention)
+            self._release_all(self.parents, commit=False, quiet=True)
+            raise
         log.debug("prefixd cache prompts=%s cached=%s skip=%s", [len(p) for p in self.prompts],
                   [s.cached_tokens for s in self.parents], self.skip)
 

@@ -92,6 +92,7 @@ def with_prefixd(model, session, input_ids, attention_mask=None, **kw):
     finally:
         counter.remove()
     assert model.config._attn_implementation == "sdpa"  # given back
+    cache.check_invariants()
     return out, cache, counter.tokens
 
 
