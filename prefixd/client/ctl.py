@@ -1,6 +1,8 @@
 """The ``prefixctl`` command: look at a running prefixd and ask it for a checkpoint.
 
     prefixctl [--socket PATH] [--timeout S] status | stats [--json] | lookup ... | checkpoint
+              | top [--interval S]
+    prefixctl verify --state-dir DIR [--config FILE] [--json]   (offline, daemon stopped)
 
 It speaks the raw ``prefixd.v1`` stubs over the daemon's Unix socket (no client library, no
 torch: ``prefixctl status`` answers in a fraction of a second), and imports nothing of the
@@ -11,7 +13,7 @@ Exit status:
 - 0: done (``status``: the daemon serves);
 - 1: the daemon refused or failed a call (one line: the status code and its message), or a
   bad argument that only the daemon's answer reveals (an unknown ``--model``);
-- 2: bad command-line usage;
+- 2: bad command-line usage (`verify`: the directory cannot be checked, e.g. a daemon holds it);
 - 3: no daemon answers on the socket (the line names the socket and what to check);
 - 4: the daemon is up but not serving: recovering (with progress) or stopping.
 
@@ -190,9 +192,33 @@ def pick_layout(status: pb.StatusReply, model: str | None) -> pb.KVLayout:
         raise CtlExit(EXIT_FAILED, f"prefixctl lookup: {exc}") from None
 
 
-def cmd_not_yet(daemon: Connection | None, args) -> int:
-    raise CtlExit(EXIT_FAILED, f"prefixctl {args.command}: not there yet (arrives with a later "
-                               f"release); `prefixctl status` and `prefixctl stats` work today")
+def cmd_top(daemon: Connection, args) -> int:
+    daemon.status()  # exit 3 with the reason before the screen is taken
+    if not sys.stdout.isatty():
+        raise CtlExit(EXIT_USAGE, "prefixctl top needs a terminal; use `prefixctl stats` in scripts")
+    from prefixd.client import ctl_top  # curses only here
+
+    return ctl_top.run(daemon, args.interval)
+
+
+def cmd_verify(daemon: None, args) -> int:
+    """Runs ``prefixd.tools.verify`` as a child process (it reads the engine's files, which the
+    client may not import), and turns a death by signal into a finding."""
+    import signal
+    import subprocess
+
+    cmd = [sys.executable, "-m", "prefixd.tools.verify", "--state-dir", args.state_dir]
+    for flag in ("config", "scratch"):
+        if getattr(args, flag):
+            cmd += [f"--{flag}", getattr(args, flag)]
+    if args.json:
+        cmd.append("--json")
+    rc = subprocess.call(cmd)
+    if rc < 0:
+        raise CtlExit(EXIT_FAILED, f"prefixctl verify: reading {args.state_dir} killed the checker "
+                                   f"with {signal.Signals(-rc).name}: a damaged file (most likely "
+                                   f"wal/data.mdb); restore it from a backup or start empty")
+    return rc
 
 
 # -- the command line -----------------------------------------------------------------------------
@@ -223,10 +249,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_lookup, prepare=prepare_lookup)
     p = sub.add_parser("checkpoint", help="fold every pool's log into a checkpoint now")
     p.set_defaults(run=cmd_checkpoint)
-    for name in ("top", "verify"):
-        p = sub.add_parser(name, help="not there yet")
-        p.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-        p.set_defaults(run=cmd_not_yet, offline=True)
+    p = sub.add_parser("top", help="a live view: hit rate, tiers, evictions, WAL latency (q quits)")
+    p.add_argument("--interval", metavar="S", type=float, default=1.0,
+                   help="seconds between refreshes (default 1)")
+    p.set_defaults(run=cmd_top)
+    p = sub.add_parser("verify", help="check a stopped daemon's state directory (offline): log, "
+                                      "checkpoint, disk blocks, index; exit 1 on damage")
+    p.add_argument("--state-dir", required=True, metavar="DIR")
+    p.add_argument("--config", metavar="FILE", help="the daemon's config (pool sizes, salts)")
+    p.add_argument("--scratch", metavar="DIR", help="where working copies go (default $TMPDIR)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.set_defaults(run=cmd_verify, offline=True)
     return parser
 
 

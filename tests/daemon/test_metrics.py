@@ -5,8 +5,13 @@ every query names a series the daemon exports. One daemon for the module."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import re
+import shutil
+import subprocess
+import sys
+import time
 
 import grpc
 import numpy as np
@@ -167,3 +172,52 @@ def test_grafana_dashboard_queries_only_exported_series(daemon):
     missing = named - exported
     assert not missing, f"the dashboard queries series the daemon does not export: {missing}"
     assert len(named) >= 20
+
+
+# -- prefixctl top, in a real terminal (tmux) against this daemon ----------------------------------
+
+def _tmux(*args, check=True) -> subprocess.CompletedProcess:
+    return subprocess.run(["tmux", "-L", TMUX_SERVER, *args], capture_output=True, text=True,
+                          check=check, timeout=30)
+
+
+TMUX_SERVER = f"prefixd-test-{os.getpid()}"
+
+
+def _screen() -> list[str]:
+    return _tmux("capture-pane", "-p", "-t", "top").stdout.splitlines()
+
+
+def _wait_for(predicate, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = predicate()
+        if got:
+            return got
+        time.sleep(0.2)
+    return None
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)")
+def test_prefixctl_top_draws_an_80x24_screen_refreshes_and_quits_on_q(daemon):
+    """Guards against a view that does not fit 80x24, never refreshes, or ignores ``q``."""
+    cmd = (f"cd {ROOT} && PYTHONPATH={ROOT} {sys.executable} -m prefixd.client.ctl "
+           f"--socket {daemon.socket} top --interval 0.3")
+    _tmux("new-session", "-d", "-s", "top", "-x", "80", "-y", "24", cmd)
+    try:
+        first = _wait_for(lambda: (s := _screen()) and any("hit rate" in x for x in s) and s)
+        assert first, f"top never drew its screen: {_screen()}"
+        assert len(first) <= 24 and all(len(line) <= 80 for line in first)
+        text = "\n".join(first)
+        for word in ("hit rate", "device", "host", "disk", "WAL commit", "sessions", "evict/s"):
+            assert word in text, f"{word!r} missing from the screen:\n{text}"
+        assert re.search(r"tokens\s+37\.5%", text), text  # 192 of 512 tokens hit
+        rpcs_before = total(scrape(daemon), "prefixd_rpc_calls_total", method="Stats")
+        assert _wait_for(lambda: total(scrape(daemon), "prefixd_rpc_calls_total",
+                                       method="Stats") >= rpcs_before + 2), "top does not refresh"
+        _tmux("send-keys", "-t", "top", "q")
+        gone = _wait_for(lambda: _tmux("has-session", "-t", "top", check=False).returncode != 0,
+                         timeout=20)
+        assert gone, f"top did not quit on q: {_screen()}"
+    finally:
+        _tmux("kill-server", check=False)
