@@ -170,6 +170,10 @@ def test_num_return_sequences_forks_each_prompt(model, session):
     assert len({tuple(r) for r in got.tolist()}) > 2  # really sampled: the forks diverged
     assert cache.copies == 3 and len(cache.rows) == 6 and cache.cached_tokens == [32, 0]
     assert len({s.id for s in cache.rows}) == 6 and all(s.released for s in cache.rows + cache.parents)
+    # the forks wrote only blocks of their own: the shared prompt's blocks still give its answer
+    again = torch.tensor([tokens])
+    got, cache, _ = with_prefixd(model, session, again)
+    assert torch.equal(got, reference(model, again)) and cache.cached_tokens == [32]
 
 
 def test_generate_with_prefix_and_refusals(model, session, daemon):
