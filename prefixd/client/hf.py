@@ -19,7 +19,9 @@ The API (stable; everything else in ``hf_cache`` / ``hf_attention`` is internal)
   backend="auto")`` opens one sequence per prompt at once (so make it right before
   ``generate``, with the same ``input_ids`` and ``attention_mask``: left padding only), and
   switches ``model`` to the ``prefixd_paged`` attention until ``close()`` (or the end of the
-  ``with`` block, which commits only if no exception escaped). Use it for ONE ``generate`` call.
+  ``with`` block, which commits only if no exception escaped). Use it for ONE ``generate`` call,
+  and one at a time per model object (the attention switch is the model's: a second model
+  object, sharing the weights, serves a concurrent request).
   ``generate`` then runs the model only on the columns past what every prompt has cached; the
   prompts' full blocks are committed before the first decode step (durability as given), the
   generated tokens' full blocks at close. ``num_return_sequences=n`` forks each prompt's sequence
