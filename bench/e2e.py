@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         "daemon_stop_code": result.stop_code,
         "model_load_s": round(loaded.load_s, 1), "model_converted_now": loaded.converted,
         "stats": {k: v for k, v in sorted(result.stats.items()) if not k.endswith("_bucket")},
-        "targets": TARGETS, "plot": str(plot),
+        "targets": TARGETS, "plot": _relative(plot),
         "host": {"cpus": os.cpu_count(), "torch_threads": threads, "platform": platform.platform(),
                  "load_avg_start": [round(x, 1) for x in load_avg_start],
                  "load_avg_end": [round(x, 1) for x in os.getloadavg()]},
@@ -111,6 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         pathlib.Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     ok = out["tokens_equal"] and result.stop_code == 0
     return 0 if ok else 1
+
+
+def _relative(path: pathlib.Path) -> str:
+    try:
+        return str(path.resolve().relative_to(BENCH.parent))
+    except ValueError:
+        return str(path)
 
 
 def _progress(row: e2e_run.Row, index: int, total: int) -> None:
