@@ -17,7 +17,7 @@ import time
 import grpc
 
 from prefixd.api import prefixd_pb2 as pb
-from prefixd.api import prefixd_pb2_grpc as pb_grpc
+from prefixd.client.remote_kv import KVStub
 from prefixd.api.layout import KVLayout
 from prefixd.client.errors import (DaemonRestarted, InvalidArgument, MappingError, NotFound, PrefixdError,
                                    Unavailable, from_rpc_error)
@@ -134,7 +134,7 @@ class Attachment:
         if self._channel is not None:
             self._channel.close()
         self._channel = grpc.insecure_channel("unix:" + self.socket_path, options=_CHANNEL_OPTIONS)
-        self._stub = pb_grpc.PrefixCacheStub(self._channel)
+        self._stub = KVStub(self._channel)  # the generated stub; WriteKV takes encoded chunks
 
     def _attach(self, *, retry: bool) -> None:
         """Attach (with backoff while UNAVAILABLE when ``retry``), map the pools, start the lease."""

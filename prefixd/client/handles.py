@@ -77,6 +77,10 @@ class Sequence:
         """Remember the table as it is at a fork: its blocks may be shared with siblings."""
         self._fork_table = list(self.block_table)
 
+    def forget_fork(self) -> None:
+        """After a daemon restart only committed blocks are shared: drop the fork's table."""
+        self._fork_table = None
+
     def shared_blocks(self) -> int:
         """Leading blocks that may be shared (committed, or still as they were at a fork)."""
         shared = self.num_indexed

@@ -59,7 +59,7 @@ def apply_reclaim(live: dict[int, Sequence], reply: pb.ReclaimReply, block_size:
     for seq in handles:
         seq.previous_num_tokens = seq.num_tokens
         seq.restarted = True
-        seq._fork_table = None  # after a restart only committed blocks are shared
+        seq.forget_fork()  # after a restart only committed blocks are shared
         got = by_previous.get(seq.id)
         if got is None or got.seq_id == 0:
             seq.lost = True

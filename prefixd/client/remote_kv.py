@@ -10,10 +10,24 @@ from __future__ import annotations
 import torch
 
 from prefixd.api import prefixd_pb2 as pb
-from prefixd.api.tensors import dtype_name, from_kv_chunk, from_tensor_msg, tensor_bytes, to_tensor_msg
+from prefixd.api import prefixd_pb2_grpc as pb_grpc
+from prefixd.api.tensors import dtype_name, framed_kv, from_kv_chunk, from_tensor_msg, to_tensor_msg
 from prefixd.client.errors import DataLoss, InvalidArgument
 
 HEADROOM_BYTES = 4096  # the message's fields other than the KV bytes
+_WRITE_CHUNK = pb.WriteKVRequest.DESCRIPTOR.fields_by_name["chunk"].number
+
+
+class KVStub(pb_grpc.PrefixCacheStub):
+    """The generated stub, but ``WriteKV`` sends requests encoded by ``write_kv`` itself
+    (``prefixd.api.tensors.framed_kv``: one copy of the KV instead of three)."""
+
+    def __init__(self, channel) -> None:
+        super().__init__(channel)
+        self.WriteKV = channel.stream_unary("/prefixd.v1.PrefixCache/WriteKV",
+                                            request_serializer=None,
+                                            response_deserializer=pb.WriteKVReply.FromString)
+
 
 
 def chunk_tokens(token_bytes: int, block_size: int, max_message_bytes: int) -> int:
@@ -29,8 +43,9 @@ def write_kv(stub, session_id: int, seq_id: int, start: int, kv: torch.Tensor, b
     n = kv.shape[2]
     token_bytes = kv[:, :, :1].numel() * kv.element_size()
     step = chunk_tokens(token_bytes, block_size, max_message_bytes)
-    dtype = dtype_name(kv.dtype)
+    dtype_name(kv.dtype)  # ValueError for a dtype the API does not carry, before any send
     kv = kv.detach().cpu()
+    outer = pb.WriteKVRequest(session_id=session_id).SerializeToString()
 
     def chunks():
         # The first chunk ends on a block boundary so later chunks cover whole blocks.
@@ -41,10 +56,8 @@ def write_kv(stub, session_id: int, seq_id: int, start: int, kv: torch.Tensor, b
         while bounds[-1] < end:
             bounds.append(min(end, bounds[-1] + step))
         for lo, hi in zip(bounds, bounds[1:]):
-            piece = kv[:, :, lo - start:hi - start]
-            yield pb.WriteKVRequest(session_id=session_id, chunk=pb.KVChunk(
-                seq_id=seq_id, start=lo, num_tokens=hi - lo, shape=list(piece.shape), dtype=dtype,
-                data=tensor_bytes(piece)))
+            # encoded here, the KV copied once (KVStub sends bytes as they are)
+            yield framed_kv(outer, _WRITE_CHUNK, seq_id, lo, kv[:, :, lo - start:hi - start])
 
     reply = stub.WriteKV(chunks(), timeout=timeout)
     return reply.written_tokens

@@ -40,7 +40,7 @@ from typing import AsyncIterator, Callable, Iterator
 import torch
 
 from prefixd.api import prefixd_pb2 as pb
-from prefixd.api.tensors import cuda_ipc_handle, tensor_from_bytes, to_kv_chunk, to_tensor_msg
+from prefixd.api.tensors import cuda_ipc_handle, framed_kv, tensor_from_bytes, to_tensor_msg
 from prefixd.api.tiers import TIER_NAMES, Tier
 from prefixd.kernels import layer_kv, paged_attention, write_kv as write_layer_kv
 from prefixd.daemon.status import RpcFailure, exhausted, invalid, not_found, precondition
@@ -184,8 +184,9 @@ async def write_kv(session, requests: AsyncIterator[pb.WriteKVRequest], max_byte
 
 # -- ReadKV ------------------------------------------------------------------------------------
 
-def read_kv(session, request: pb.ReadKVRequest, max_bytes: int) -> Iterator[pb.ReadKVReply]:
-    """The KV of a token range as a stream of replies, each under ``max_bytes``.
+def read_kv(session, request: pb.ReadKVRequest, max_bytes: int) -> Iterator[bytes]:
+    """The KV of a token range as a stream of encoded ``ReadKVReply`` messages, each under
+    ``max_bytes``.
 
     The request is checked now (raising before any reply); the replies are read lazily,
     one chunk of whole tokens per ``next()``, each after checking again that the session
@@ -205,7 +206,10 @@ def read_kv(session, request: pb.ReadKVRequest, max_bytes: int) -> Iterator[pb.R
     return _read_chunks(session, seq.id, start, n, per)
 
 
-def _read_chunks(session, seq_id: int, start: int, n: int, per: int) -> Iterator[pb.ReadKVReply]:
+_READ_REPLY_CHUNK = pb.ReadKVReply.DESCRIPTOR.fields_by_name["chunk"].number
+
+
+def _read_chunks(session, seq_id: int, start: int, n: int, per: int) -> Iterator[bytes]:
     end = start + n
     at = start
     while True:
@@ -214,9 +218,8 @@ def _read_chunks(session, seq_id: int, start: int, n: int, per: int) -> Iterator
             live(session)
             owned_sequence(session, seq_id)
         kv = session.pool.read_kv(seq_id, at, k)
-        reply = pb.ReadKVReply()
-        to_kv_chunk(seq_id, at, kv, out=reply.chunk)  # in place: see prefixd.api.tensors
-        yield reply
+        # an encoded ReadKVReply, the KV copied once (prefixd.daemon.handlers passes bytes on)
+        yield framed_kv(b"", _READ_REPLY_CHUNK, seq_id, at, kv)
         at += k
         if at >= end:
             return

@@ -36,8 +36,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from prefixd.api import prefixd_pb2 as pb
-from prefixd.api import prefixd_pb2_grpc as pb_grpc
 from prefixd.daemon.settings import DaemonConfig, TenantSocket
+from prefixd.daemon.handlers import add_service
 from prefixd.daemon.core import SERVING, STOPPING, DaemonCore
 from prefixd.daemon.config_watch import ConfigWatch
 from prefixd.daemon.lifecycle import Lifecycle
@@ -142,7 +142,7 @@ class Daemon:
                    ("grpc.max_send_message_length", cfg.max_message_bytes),
                    ("grpc.so_reuseport", 0)]
         server = grpc.aio.server(options=options, maximum_concurrent_rpcs=cfg.max_concurrent_calls)
-        pb_grpc.add_PrefixCacheServicer_to_server(PrefixCacheService(self.core, sock.tenant), server)
+        add_service(PrefixCacheService(self.core, sock.tenant), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(

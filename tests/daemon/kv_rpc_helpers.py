@@ -61,7 +61,8 @@ def write(session, requests, max_bytes=MAX_BYTES) -> int:
 
 def read_chunks(session, seq_id, start, n, max_bytes=MAX_BYTES) -> list[pb.ReadKVReply]:
     req = pb.ReadKVRequest(session_id=session.id, seq_id=seq_id, start=start, num_tokens=n)
-    return list(kv_rpc.read_kv(session, req, max_bytes))
+    # the daemon yields encoded replies (prefixd.daemon.handlers passes them on)
+    return [pb.ReadKVReply.FromString(b) for b in kv_rpc.read_kv(session, req, max_bytes)]
 
 
 def read(session, seq_id, start, n, max_bytes=MAX_BYTES) -> torch.Tensor:

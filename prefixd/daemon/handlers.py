@@ -1,0 +1,42 @@
+"""The ``PrefixCache`` service's method handlers, registered from the proto's descriptor.
+
+NOTE: instead of the generated ``add_PrefixCacheServicer_to_server``, so that a handler may
+answer with an already encoded message (``bytes``): ReadKV frames its KV chunks itself
+(``prefixd.api.tensors.framed_kv``, one copy of the KV instead of three). Every other reply is
+a message, serialized as the generated code would.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from prefixd.api import prefixd_pb2 as pb
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["PrefixCache"]
+
+
+def _encode(reply) -> bytes:
+    return reply if type(reply) is bytes else reply.SerializeToString()
+
+
+def _handler(method, behaviour):
+    request = pb.DESCRIPTOR.message_types_by_name[method.input_type.name]
+    decode = getattr(pb, request.name).FromString
+    if method.client_streaming:
+        make = (grpc.stream_stream_rpc_method_handler if method.server_streaming
+                else grpc.stream_unary_rpc_method_handler)
+    else:
+        make = (grpc.unary_stream_rpc_method_handler if method.server_streaming
+                else grpc.unary_unary_rpc_method_handler)
+    return make(behaviour, request_deserializer=decode, response_serializer=_encode)
+
+
+def add_service(servicer, server) -> None:
+    """Register every rpc of the service on ``server`` with ``servicer``'s methods.
+
+    Raises AttributeError when the servicer lacks one (every rpc must have a handler)."""
+    handlers = {m.name: _handler(m, getattr(servicer, m.name)) for m in _SERVICE.methods}
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),))
+    if hasattr(server, "add_registered_method_handlers"):
+        server.add_registered_method_handlers(_SERVICE.full_name, handlers)
