@@ -86,3 +86,15 @@ def test_prefixctl_verify_json_and_exit_status(tmp_path):
     assert damaged.returncode == EXIT_DAMAGED, damaged.stderr
     doc = json.loads(damaged.stdout)
     assert doc["ok"] is False and len(doc["pools"][0]["bad_slots"]) == 2
+
+
+def test_verify_progress_bar_counts_blocks(capsys):
+    """The bar verify draws on a terminal (``main`` shows it only when stderr is a tty)."""
+    from prefixd.tools.verify import Bar
+
+    bar = Bar("pool 1/1")
+    bar.update(3, 12)
+    bar.update(12, 12)
+    err = capsys.readouterr().err
+    assert "\rpool 1/1 [#######" in err and "3/12 blocks" in err
+    assert err.endswith("12/12 blocks\n")
