@@ -34,6 +34,7 @@ from prefixd.daemon.notify import Notifier
 log = logging.getLogger(__name__)
 
 STATUS_PERIOD_S = 0.5  # recovery progress on STATUS=
+PROGRESS_LOG_S = 5.0  # ... and in the log (journald), at most this often while it moves
 READY_CHECK_TIMEOUT_S = 5.0
 _STALL_FILE = os.environ.get("PREFIXD_TEST_WATCHDOG_STALL", "")
 
@@ -76,16 +77,23 @@ class Lifecycle:
     # -- start -----------------------------------------------------------------------------
 
     def recovering(self) -> None:
-        """Start reporting recovery progress on STATUS= (until ``serving``)."""
-        if self.notifier.enabled:
-            self._tasks.append(asyncio.create_task(self._report_recovery()))
+        """Start reporting recovery progress on STATUS= and in the log (until ``serving``)."""
+        self._tasks.append(asyncio.create_task(self._report_recovery()))
 
     async def _report_recovery(self) -> None:
+        """STATUS= every ``STATUS_PERIOD_S`` and a log line every ``PROGRESS_LOG_S`` while the
+        count moves: a recovery of a big state takes minutes, and an operator reading the
+        journal (no ``systemctl status`` at hand) must see it is not stuck."""
         last = None
+        logged = time.monotonic()
         while self.core.state == RECOVERING:
             now = (*self.core.progress.as_tuple(), self.core.progress.pools)
             if now != last:
-                self.notifier.status(recovery_status(*now))
+                if self.notifier.enabled:
+                    self.notifier.status(recovery_status(*now))
+                if time.monotonic() - logged >= PROGRESS_LOG_S:
+                    log.info("recovery progress: %s", recovery_status(*now))
+                    logged = time.monotonic()
                 last = now
             await asyncio.sleep(STATUS_PERIOD_S)
 

@@ -98,3 +98,17 @@ def test_verify_progress_bar_counts_blocks(capsys):
     err = capsys.readouterr().err
     assert "\rpool 1/1 [#######" in err and "3/12 blocks" in err
     assert err.endswith("12/12 blocks\n")
+
+
+def test_verify_refuses_a_directory_a_daemon_holds(tmp_path, capsys):
+    """Exit 2 and what to do when the state directory is locked (verify is offline only)."""
+    from prefixd.tools.verify import EXIT_UNCHECKED, main
+    from prefixd.wal.lock import StateDirLock
+
+    b = build(tmp_path)
+    lock = StateDirLock(b.state_dir)
+    try:
+        assert main(["--state-dir", b.state_dir]) == EXIT_UNCHECKED
+    finally:
+        lock.release()
+    assert "stop the daemon first" in capsys.readouterr().err
