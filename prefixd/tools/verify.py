@@ -76,8 +76,10 @@ def pool_dirs(state_dir: str) -> list[str]:
                   glob.glob(os.path.join(state_dir, POOLS_DIR, "*", "*", MANIFEST)))
 
 
-def _layout_and_tenant(pool: str, problems: list[Problem]) -> tuple[KVLayout | None, str | None]:
-    """The pool's layout from its manifest, else from the log's meta, else its disk header."""
+def _layout_and_tenant(pool: str, copy: str,
+                       problems: list[Problem]) -> tuple[KVLayout | None, str | None]:
+    """The pool's layout from its manifest, else its disk header, else the log's meta (read
+    from the scratch ``copy``: opening the log writes)."""
     manifest = os.path.join(pool, MANIFEST)
     if os.path.exists(manifest):
         try:
@@ -96,7 +98,7 @@ def _layout_and_tenant(pool: str, problems: list[Problem]) -> tuple[KVLayout | N
     try:
         from prefixd.wal.wal import Wal
 
-        with Wal(pool, layouts=None, sync="none") as wal:
+        with Wal(copy, layouts=None, sync="none") as wal:
             raw = wal.meta.layouts
         if raw:
             return KVLayout.from_bytes(raw), None
@@ -129,20 +131,20 @@ def check_pool(pool: str, scratch: str, config: EngineConfig, progress=None) -> 
     from prefixd.engine.durable import DurableCache
 
     problems, num_slots = _disk_size_problems(pool)
-    layout, tenant_name = _layout_and_tenant(pool, problems)
     if not os.path.exists(os.path.join(pool, "wal", "data.mdb")):
         problems.append(Problem("wal", os.path.join(pool, "wal"), "no data.mdb: the index of "
                                 "this pool is gone"))
-        return PoolReport(pool, 0, 0, [], problems)
-    if layout is None:
-        problems.append(Problem("layout", pool, "no readable manifest, disk header or log meta "
-                                "names this pool's KV layout"))
         return PoolReport(pool, 0, 0, [], problems)
     copy = os.path.join(scratch, "pool")
     shutil.copytree(os.path.join(pool, "wal"), os.path.join(copy, "wal"),
                     ignore=shutil.ignore_patterns("lock.mdb"))
     for path in glob.glob(os.path.join(pool, "*.disk.pool")):
         shutil.copyfile(path, os.path.join(copy, os.path.basename(path)))
+    layout, tenant_name = _layout_and_tenant(pool, copy, problems)
+    if layout is None:
+        problems.append(Problem("layout", pool, "no readable manifest, disk header or log meta "
+                                "names this pool's KV layout"))
+        return PoolReport(pool, 0, 0, [], problems)
     records = _check_log(copy, pool, problems)
     tenant = config.tenant(tenant_name) if tenant_name else None
     kwargs = cache_kwargs(config, tenant or config.tenants[0])

@@ -5,6 +5,7 @@ prompts committed at ``power``, the shm pools deleted as after a reboot)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -17,6 +18,19 @@ from prefixd.tools.verify import EXIT_DAMAGED, verify
 from tests.crash.test_corruption import (DISK_TABLE, LMDB_TABLE, REPO, SIZES, build, open_cache)
 
 CONFIG = EngineConfig(blocks=TierSizes(*SIZES))
+
+
+def files_of(state_dir: str) -> dict[str, str]:
+    """Every file's digest (the lock file aside: verify takes the lock), to prove verify
+    repairs nothing: recovery would re-extend a truncated pool file and append to the log."""
+    out = {}
+    for root, _, names in os.walk(state_dir):
+        for name in names:
+            if name != "lock":
+                path = os.path.join(root, name)
+                with open(path, "rb") as f:
+                    out[path] = hashlib.blake2b(f.read(), digest_size=16).hexdigest()
+    return out
 
 
 def problems_of(state_dir: str) -> list:
@@ -39,7 +53,9 @@ def test_verify_finds_every_disk_pool_damage(tmp_path, row):
     (or, for a header, the header)."""
     b = build(tmp_path)
     bad = row.damage(b)
+    before = files_of(b.state_dir)
     problems = problems_of(b.state_dir)
+    assert files_of(b.state_dir) == before, "verify changed the state directory"
     assert problems, f"verify found nothing after {row.name!r}"
     committed = {s for slots in b.slots for s in slots}
     if row.refused:
