@@ -131,6 +131,9 @@ class Attachment:
         return self.pool is not None
 
     def _open_channel(self) -> None:
+        # NOTE: once per session: a channel reconnects by itself after a daemon restart (the
+        # backoff in _CHANNEL_OPTIONS), and closing it under another thread's call made that
+        # call raise ValueError ("Cannot invoke RPC on closed channel") out of the library.
         if self._channel is not None:
             self._channel.close()
         self._channel = grpc.insecure_channel("unix:" + self.socket_path, options=_CHANNEL_OPTIONS)
@@ -150,8 +153,7 @@ class Attachment:
             if wait is None:
                 raise err
             log.debug("attach unavailable, retrying in %.3f s error=%s", wait, err)
-            time.sleep(wait)
-            self._open_channel()
+            time.sleep(wait)  # the channel reconnects by itself (_CHANNEL_OPTIONS' backoff)
         self.id = reply.session_id
         self.epoch = reply.epoch
         self.tenant = reply.tenant
@@ -257,7 +259,6 @@ class Attachment:
                 raise Unavailable(f"the daemon on {self.socket_path} did not come back within "
                                   f"{self._backoff.total_s} s: {err.message}")
             time.sleep(wait)
-            self._open_channel()
 
     def _release_quietly(self, seq_id: int) -> None:
         try:

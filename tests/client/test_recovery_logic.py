@@ -110,7 +110,7 @@ def fake(monkeypatch, tmp_path):
             pass
 
     monkeypatch.setattr(attachment.grpc, "insecure_channel", lambda *a, **k: Channel())
-    monkeypatch.setattr(attachment.pb_grpc, "PrefixCacheStub", lambda channel: daemon)
+    monkeypatch.setattr(attachment, "KVStub", lambda channel: daemon)
     return daemon
 
 
