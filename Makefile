@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-core test soak bench bench-e2e bench-peers clean
+.PHONY: demo demo-core test slow soak bench bench-e2e bench-peers clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or run: make PYTHON=python3 ...)"; exit 1; }
@@ -26,8 +26,14 @@ demo: $(STAMP)
 demo-core: $(STAMP)
 	$(PY) -m prefixd.tools.demo
 
+# The whole suite but long soak runs and the real-model test (each has its own target).
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not soak"
+	$(PY) -m pytest -q -m "not soak and not slow"
+
+# SmolLM2 through a live daemon: greedy tokens equal transformers' own, cold / warm / another
+# process / after kill -9 (converts the GGUF once: minutes the first time).
+slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
 
 soak: $(STAMP)
 	$(PY) -m pytest -q -m soak
