@@ -18,10 +18,9 @@ import sys
 import tempfile
 import time
 
-import grpc
 import lmdb
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from prefixd.tools.daemon_proc import answers_serving
 from prefixd.wal.codec import decode, unpack_key
 from prefixd.wal.env import MAX_DBS
 from prefixd.wal.kinds import Kind
@@ -95,15 +94,8 @@ class BenchDaemon:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
-            if os.path.exists(self.socket):
-                try:
-                    with grpc.insecure_channel("unix:" + self.socket) as ch:
-                        reply = health_pb2_grpc.HealthStub(ch).Check(
-                            health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
+            if answers_serving(self.socket):
+                return
             time.sleep(0.05)
         raise RuntimeError(f"daemon not serving after {timeout} s:\n{self.log()}")
 

@@ -45,6 +45,7 @@ from typing import Any
 
 from prefixd.daemon.sessions import Limits
 from prefixd.engine.config import EngineConfig
+from prefixd.engine.config_toml import refuse_unknown
 from prefixd.engine.errors import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -181,20 +182,20 @@ class DaemonConfig:
         if not isinstance(table, Mapping):
             raise ConfigError(f"[daemon] must be a table, got {table!r}")
         known = [f.name for f in dataclasses.fields(cls)]
-        _refuse_unknown("daemon", table, known)
+        refuse_unknown("daemon", table, known)
         kwargs = {k: v for k, v in table.items() if k not in ("limits", "sockets", "metrics")}
         if "metrics" in table:
             metrics = table["metrics"]
             if not isinstance(metrics, Mapping):
                 raise ConfigError(f"[daemon.metrics] must be a table, got {metrics!r}")
-            _refuse_unknown("daemon.metrics", metrics,
+            refuse_unknown("daemon.metrics", metrics,
                             [f.name for f in dataclasses.fields(MetricsConfig)])
             kwargs["metrics"] = MetricsConfig(**metrics)
         if "limits" in table:
             limits = table["limits"]
             if not isinstance(limits, Mapping):
                 raise ConfigError(f"[daemon.limits] must be a table, got {limits!r}")
-            _refuse_unknown("daemon.limits", limits, [f.name for f in dataclasses.fields(Limits)])
+            refuse_unknown("daemon.limits", limits, [f.name for f in dataclasses.fields(Limits)])
             kwargs["limits"] = Limits(**limits)
         if "sockets" in table:
             entries = table["sockets"]
@@ -205,7 +206,7 @@ class DaemonConfig:
                 if not isinstance(entry, Mapping) or "tenant" not in entry or "path" not in entry:
                     raise ConfigError(f"[[daemon.sockets]] number {i + 1} needs tenant = \"...\" "
                                       f"and path = \"...\"")
-                _refuse_unknown(f"daemon.sockets[{i}]", entry,
+                refuse_unknown(f"daemon.sockets[{i}]", entry,
                                 ["tenant", "path", "owner", "group", "mode"])
                 entry = dict(entry)
                 if "mode" in entry:
@@ -232,7 +233,7 @@ def load(path: str | None) -> tuple[EngineConfig, DaemonConfig]:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config {path} is not valid TOML: {exc}") from exc
-    _refuse_unknown("the config file's top level", doc, ["engine", "daemon"])
+    refuse_unknown("the config file's top level", doc, ["engine", "daemon"])
     return EngineConfig.from_mapping(doc.get("engine", {})), DaemonConfig.from_mapping(
         doc.get("daemon", {}))
 
@@ -257,11 +258,3 @@ def _octal(value, tenant: str) -> int:
             pass
     raise ConfigError(f"daemon.sockets: mode of tenant {tenant!r} must be an octal string like "
                       f"\"0660\", got {value!r}")
-
-
-def _refuse_unknown(where: str, table: Mapping[str, Any], known) -> None:
-    unknown = sorted(set(table) - set(known))
-    if unknown:
-        raise ConfigError(f"unknown key{'s' if len(unknown) > 1 else ''} "
-                          f"{', '.join(repr(k) for k in unknown)} in [{where}]: the known keys "
-                          f"are {', '.join(known)}")

@@ -72,7 +72,9 @@ ENGINE_KEYS = _SCALAR_KEYS + ("blocks", "tenants")
 _TIER_KEYS = ("device", "host", "disk")
 
 
-def _refuse_unknown(where: str, table: Mapping[str, Any], known) -> None:
+def refuse_unknown(where: str, table: Mapping[str, Any], known) -> None:
+    """ConfigError naming the unknown keys of ``table`` (at ``[where]``) and the known ones
+    (the daemon's ``[daemon]`` table is checked with it too)."""
     unknown = sorted(set(table) - set(known))
     if unknown:
         raise ConfigError(f"unknown key{'s' if len(unknown) > 1 else ''} "
@@ -89,20 +91,20 @@ def _table(where: str, value) -> Mapping[str, Any]:
 def config_kwargs(table: Mapping[str, Any]) -> dict[str, Any]:
     """``EngineConfig`` keyword arguments from an ``[engine]`` table (values checked later)."""
     table = _table("engine", table)
-    _refuse_unknown("engine", table, ENGINE_KEYS)
+    refuse_unknown("engine", table, ENGINE_KEYS)
     kwargs = {key: table[key] for key in _SCALAR_KEYS if key in table}
     if kwargs.get("use_cuda") == "auto":
         kwargs["use_cuda"] = None
     if "blocks" in table:
         blocks = _table("engine.blocks", table["blocks"])
-        _refuse_unknown("engine.blocks", blocks, _TIER_KEYS + ("models",))
+        refuse_unknown("engine.blocks", blocks, _TIER_KEYS + ("models",))
         default = TierSizes(**{k: blocks[k] for k in _TIER_KEYS if k in blocks})
         kwargs["blocks"] = default
         models = []
         for model_id, sizes in _table("engine.blocks.models", blocks.get("models", {})).items():
             where = f'engine.blocks.models."{model_id}"'
             sizes = _table(where, sizes)
-            _refuse_unknown(where, sizes, _TIER_KEYS)
+            refuse_unknown(where, sizes, _TIER_KEYS)
             try:
                 models.append((model_id, dataclasses.replace(default, **sizes)))
             except ConfigError as exc:
@@ -116,7 +118,7 @@ def config_kwargs(table: Mapping[str, Any]) -> dict[str, Any]:
         parsed = []
         for i, entry in enumerate(tenants):
             entry = _table(f"engine.tenants[{i}]", entry)
-            _refuse_unknown(f"engine.tenants[{i}]", entry, ("name", "salt"))
+            refuse_unknown(f"engine.tenants[{i}]", entry, ("name", "salt"))
             if "name" not in entry:
                 raise ConfigError(f"[[engine.tenants]] number {i + 1} has no name: "
                                   f"add name = \"...\"")

@@ -134,20 +134,28 @@ class DaemonProc:
         self.close()
 
     def _wait_serving(self, deadline: float) -> None:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
         while time.perf_counter() < deadline:
             if self.proc.poll() is not None:
                 raise DaemonFailed(f"daemon exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if os.path.exists(self.socket):
-                try:
-                    with grpc.insecure_channel("unix:" + self.socket) as ch:
-                        reply = health_pb2_grpc.HealthStub(ch).Check(
-                            health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
+            if answers_serving(self.socket):
+                return
             time.sleep(0.05)
         raise DaemonFailed(f"daemon not serving after the timeout:\n{self.log_tail()}")
+
+
+def answers_serving(socket: str, timeout: float = 1.0) -> bool:
+    """One health check on ``socket``: True once the daemon says SERVING (False while the
+    socket is missing, refuses, or the daemon is still recovering). The one probe the demo,
+    the benchmarks and the test harness wait on."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    if not os.path.exists(socket):
+        return False
+    try:
+        with grpc.insecure_channel("unix:" + socket) as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -19,7 +19,7 @@ import tempfile
 import time
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prefixd.tools.daemon_proc import answers_serving
 
 from prefixd.api import prefixd_pb2_grpc as pb_grpc
 
@@ -80,15 +80,8 @@ class DaemonProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
-            if os.path.exists(self.socket):
-                try:
-                    with grpc.insecure_channel("unix:" + self.socket) as ch:
-                        reply = health_pb2_grpc.HealthStub(ch).Check(
-                            health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
+            if answers_serving(self.socket):
+                return
             time.sleep(0.05)
         raise RuntimeError(f"daemon not serving after {timeout} s:\n{self.log()}")
 
