@@ -27,7 +27,10 @@ ignores)::
 
     [[engine.tenants]]
     name = "default"
-    salt = ""
+    salt = ""             # the same on every host of a fleet: it names the cluster tier's keys
+
+    [engine.cluster]           # optional: see prefixd.engine.cluster_config
+    nodes = ["127.0.0.1:7000"]
 
 Every value is checked in ``__post_init__`` (so a config built in code is checked too), and a
 bad one raises ``ConfigError`` saying which key to change and to what. Unknown keys are errors
@@ -46,6 +49,7 @@ from typing import Any
 from prefixd.api.layout import KVLayout
 from prefixd.cache.policy import POLICIES
 from prefixd.cache.tiering import WRITE_POLICIES
+from prefixd.engine.cluster_config import ClusterConfig
 from prefixd.engine.errors import ConfigError
 
 SYNC_MODES = ("commit", "interval", "none")
@@ -141,6 +145,8 @@ class EngineConfig:
         forget_missing_tier: a pool file gone from disk drops its blocks from the index at
             recovery (counted) instead of refusing to start.
         tenants: the tenants served; names and salts are unique.
+        cluster: the Redis Cluster tier below disk (``[engine.cluster]``,
+            ``prefixd.engine.cluster_config``), or None: no cluster tier.
 
     NOTE: frozen and validated once: the daemon builds one at start (and one per reload) and
     hands each constructor only the values it needs, so no component reads a half-valid config.
@@ -161,6 +167,7 @@ class EngineConfig:
     use_cuda: bool | None = False
     forget_missing_tier: bool = False
     tenants: tuple[Tenant, ...] = (Tenant("default"),)
+    cluster: ClusterConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.blocks, TierSizes):
@@ -204,6 +211,9 @@ class EngineConfig:
         if not isinstance(self.forget_missing_tier, bool):
             raise ConfigError(f"engine.forget_missing_tier must be true or false, got "
                               f"{self.forget_missing_tier!r}")
+        if self.cluster is not None and not isinstance(self.cluster, ClusterConfig):
+            raise ConfigError(f"engine.cluster must be a ClusterConfig, got "
+                              f"{type(self.cluster).__name__}")
         self._check_tenants()
 
     def _check_tenants(self) -> None:

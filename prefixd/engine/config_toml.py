@@ -12,6 +12,7 @@ import tomllib
 from collections.abc import Mapping
 from typing import Any
 
+from prefixd.engine.cluster_config import ClusterConfig
 from prefixd.engine.config import EngineConfig, Tenant, TierSizes
 from prefixd.engine.errors import ConfigError
 
@@ -55,6 +56,8 @@ def to_table(config: EngineConfig) -> dict[str, Any]:
             raise ConfigError(f"tenant {t.name!r}: its salt is not UTF-8 text and cannot be "
                               f"written to a TOML file; use a text salt") from None
     table["tenants"] = tenants
+    if config.cluster is not None:
+        table["cluster"] = config.cluster.to_table()
     return table
 
 
@@ -68,7 +71,7 @@ def dump_engine_table(table: Mapping[str, Any]) -> str:
 _SCALAR_KEYS = ("sync", "sync_interval_ms", "write_policy", "eviction", "verify",
                 "checkpoint_records", "checkpoint_blocks", "spill_blocks", "reclaim_grace_s",
                 "shm_dir", "use_cuda", "forget_missing_tier")
-ENGINE_KEYS = _SCALAR_KEYS + ("blocks", "tenants")
+ENGINE_KEYS = _SCALAR_KEYS + ("blocks", "tenants", "cluster")
 _TIER_KEYS = ("device", "host", "disk")
 
 
@@ -127,6 +130,8 @@ def config_kwargs(table: Mapping[str, Any]) -> dict[str, Any]:
                 raise ConfigError(f"tenant {entry['name']!r}: salt must be a string, got {salt!r}")
             parsed.append(Tenant(entry["name"], salt))
         kwargs["tenants"] = tuple(parsed)
+    if "cluster" in table:
+        kwargs["cluster"] = ClusterConfig.from_table(table["cluster"])
     return kwargs
 
 
@@ -149,6 +154,8 @@ def _toml_value(value) -> str:
         return repr(value)
     if isinstance(value, str):
         return _toml_string(value)
+    if isinstance(value, (list, tuple)) and not any(isinstance(v, Mapping) for v in value):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise ConfigError(f"cannot write {value!r} as a TOML value")
 
 
@@ -159,7 +166,8 @@ def _dump_table(name: str, table: Mapping[str, Any], lines: list[str]) -> None:
     lines.append(f"[{name}]")
     nested = []
     for key, value in table.items():
-        if isinstance(value, Mapping) or isinstance(value, list):
+        if isinstance(value, Mapping) or (isinstance(value, list) and value
+                                          and all(isinstance(v, Mapping) for v in value)):
             nested.append((key, value))
         else:
             lines.append(f"{_toml_key(key)} = {_toml_value(value)}")

@@ -80,6 +80,8 @@ class DurableCache:
             is refused (``TierLostError``); True drops those blocks at recovery instead and
             counts them in ``recovery["forgotten_blocks"]``.
         progress: a ``prefixd.engine.progress.RecoveryProgress`` that counts replayed records.
+        cluster: a ``ClusterConfig``: the Redis Cluster tier below disk (write-behind of
+            committed blocks, fetch on a local miss: ``prefixd.engine.cluster_tier``), or None.
 
     NOTE (checkpoint trigger): see ``prefixd.engine.records.replay_blocks``.
 
@@ -96,7 +98,7 @@ class DurableCache:
                  checkpoint_records: int = 100_000, checkpoint_blocks: int = CHECKPOINT_BLOCKS,
                  spill_blocks: int = 256,
                  use_cuda: bool | None = False, sync_interval_ms: float = 1000.0,
-                 forget_missing_tier: bool = False, progress=None) -> None:
+                 forget_missing_tier: bool = False, progress=None, cluster=None) -> None:
         if verify not in ("lazy", "eager"):
             raise ValueError(f"verify must be 'lazy' or 'eager', got {verify!r}")
         sizes = tuple(num_blocks)
@@ -114,6 +116,10 @@ class DurableCache:
         self.spill_blocks = spill_blocks
         self.forget_missing_tier = forget_missing_tier
         self.progress = progress  # a ``RecoveryProgress`` to count replayed records into, or None
+        # called with each drained batch of cache events once they are logged (the daemon's
+        # KV-event journal); must be O(events) and must not raise
+        self.event_listener = None
+        self.cluster = None  # a ``ClusterTier`` once recovered, if configured
         os.makedirs(state_dir, exist_ok=True)
         phases = {}
         self.wal = Wal(state_dir, layouts=layout.to_bytes(), sync=sync, interval_ms=sync_interval_ms)
@@ -132,6 +138,10 @@ class DurableCache:
                 if gc_was_enabled:
                     gc.enable()
             self._serve_setup()
+            if cluster is not None:  # imported only then: no redis, no thread without a cluster
+                from prefixd.engine.cluster_tier import ClusterTier
+
+                self.cluster = ClusterTier(self.cache, self.store, layout, tenant_salt, cluster)
         except BaseException:
             self.wal.close()
             raise
@@ -141,7 +151,11 @@ class DurableCache:
     @_poison_on_storage_error
     def open(self, tokens, extra: bytes = b"", *, session_id: int = 0):
         self._expire_if_due()
+        if self.cluster is not None:  # a run past the local match, fetched and indexed first
+            self.cluster.promote(tokens, extra)
         seq = self.cache.open(tokens, extra)
+        if self.cluster is not None:
+            self.cluster.after_open(seq)
         self._sessions[seq.id] = session_id
         self._log(session_id)
         return seq
@@ -157,6 +171,8 @@ class DurableCache:
     def fork(self, seq_id: int, num_children: int):
         self._expire_if_due()
         children = self.cache.fork(seq_id, num_children)
+        if self.cluster is not None:  # fork indexes the parent's full blocks
+            self.cluster.after_commit(self.cache.sequence(seq_id), "index")
         session = self._sessions.get(seq_id, 0)
         for child in children:
             self._sessions[child.id] = session
@@ -216,6 +232,8 @@ class DurableCache:
         self._expire_if_due()
         seq = self.cache.sequence(seq_id)
         added = self.cache.commit(seq_id)
+        if self.cluster is not None:
+            self.cluster.after_commit(seq, durability)
         return self._make_durable(seq, durability, added)
 
     @_poison_on_storage_error
@@ -230,6 +248,8 @@ class DurableCache:
         if commit:
             seq = self.cache.sequence(seq_id)
             self.cache.commit(seq_id)
+            if self.cluster is not None:
+                self.cluster.after_commit(seq, durability)
             ticket = self._make_durable(seq, durability, None)
         self.cache.release(seq_id)
         self._sessions.pop(seq_id, None)
@@ -317,6 +337,8 @@ class DurableCache:
         barrier = self.store.sync_async(Tier.DISK) if at >= 0 else None
         pos = order.submit(records, barrier, at)
         self._quarantine.seal(pos)
+        if self.event_listener is not None:
+            self.event_listener(events)
         self._since_checkpoint += len(events)
         self._tail_blocks += blocks
         return pos
@@ -416,6 +438,8 @@ class DurableCache:
     def close(self) -> None:
         """Log what is pending and close the WAL and the pools (no checkpoint); open tickets
         resolve (or fail) before it returns."""
+        if self.cluster is not None:
+            self.cluster.close()  # drops what is still queued for the cluster
         try:
             if self.wal.failure is None:  # a failed log was reported to every ticket already
                 self._settle()
@@ -436,4 +460,6 @@ class DurableCache:
         self.wal.check_invariants()
         self._order.check_invariants()
         self._quarantine.check_invariants()
+        if self.cluster is not None:
+            self.cluster.check_invariants()
         assert self.recovery["device_runs_missed"] == 0, "replay missed device runs (see Replayer.restart)"

@@ -15,6 +15,7 @@ so a pool directory either has a manifest or was never used.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -66,6 +67,8 @@ def cache_kwargs(config: EngineConfig, tenant: Tenant) -> dict:
                   use_cuda=config.use_cuda, forget_missing_tier=config.forget_missing_tier)
     if config.checkpoint_blocks is not None:  # None: the engine's default
         kwargs["checkpoint_blocks"] = config.checkpoint_blocks
+    if config.cluster is not None:  # None: no cluster tier (and nothing of it is imported)
+        kwargs["cluster"] = config.cluster
     return kwargs
 
 
@@ -112,6 +115,7 @@ class Engine:
         # it over (the engine releases it on close either way)
         self._lock: StateDirLock | None = lock if lock is not None else StateDirLock(self.state_dir)
         self._pools: dict[tuple[str, KVLayout], DurableCache] = {}
+        self._event_listener = None  # see ``set_event_listener``
         self.unconfigured: list[str] = []  # pool directories of tenants no longer configured
         try:
             for tenant, layout in self._found():
@@ -145,6 +149,7 @@ class Engine:
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         _write_manifest(self.pool_path(tenant, layout), conf, layout)
         dc = self._pools[(tenant, layout)] = self._open(conf, layout)
+        self._listen(dc, tenant, layout)
         log.info("pool created tenant=%s model=%s path=%s", tenant, layout.model_id,
                  self.pool_path(tenant, layout))
         return dc
@@ -164,6 +169,20 @@ class Engine:
         """Every open pool as ``((tenant, layout), cache)``, in no particular order."""
         self._check_open()
         return list(self._pools.items())
+
+    def set_event_listener(self, listener) -> None:
+        """Have ``listener(tenant, layout, events)`` called with every batch of cache events
+        (``prefixd.cache.events``) of every pool, open now or opened later, once the batch is
+        logged; on the caller's thread, inside the engine call that made them, so it must be
+        O(events) and must not raise. None stops it. (Events of a recovery come before.)"""
+        self._event_listener = listener
+        for (tenant, layout), dc in self._pools.items():
+            self._listen(dc, tenant, layout)
+
+    def _listen(self, dc: DurableCache, tenant: str, layout: KVLayout) -> None:
+        listener = self._event_listener
+        dc.event_listener = (None if listener is None
+                             else functools.partial(listener, tenant, layout))
 
     def pool_path(self, tenant: str, layout: KVLayout) -> str:
         """Where the pool of ``tenant`` and ``layout`` lives (whether or not it exists)."""
