@@ -185,13 +185,33 @@ class RedisCluster:
         self._procs[i] = None
         log.info("redis node killed i=%s port=%s", i, self.ports[i])
 
-    def restart(self, i: int) -> None:
-        """Start killed node i again on its port with its ``nodes.conf``; wait for ``cluster_state:ok``."""
+    def restart(self, i: int, *, wait: bool = True) -> None:
+        """Start killed node i again on its port with its ``nodes.conf``.
+
+        Args:
+            wait: wait for ``cluster_state:ok`` on every running node. Pass False while starting
+                a majority of killed nodes one by one (a lone master never reports ok).
+        """
         if self._procs[i] is not None:
             raise ValueError(f"node {i} is running; kill it first")
         _, self._procs[i] = self._start_node(i, self.ports[i])
-        self.wait_ok()
+        if wait:
+            self.wait_ok()
         log.info("redis node restarted i=%s port=%s", i, self.ports[i])
+
+    def pause(self, i: int) -> None:
+        """SIGSTOP node i: it accepts connections but answers nothing (a hung or swapping host)."""
+        proc = self._procs[i]
+        if proc is None:
+            raise ValueError(f"node {i} is not running")
+        os.kill(proc.pid, signal.SIGSTOP)
+
+    def resume(self, i: int) -> None:
+        """SIGCONT node i after ``pause``."""
+        proc = self._procs[i]
+        if proc is None:
+            raise ValueError(f"node {i} is not running")
+        os.kill(proc.pid, signal.SIGCONT)
 
     def alive(self, i: int) -> bool:
         return self._procs[i] is not None
