@@ -15,13 +15,14 @@ Imports only ``prefixd.api`` and ``prefixd.kernels`` (tests/test_layering.py). M
 lease, recovery), ``handles`` (Sequence, LookupResult),
 ``errors`` (typed exceptions), ``keepalive`` (the lease thread), ``mapped`` (pool mappings and
 the mapped KV path), ``remote_kv`` (WriteKV / ReadKV / Attend), ``reconnect`` (backoff, reclaim),
-``wire`` (token ids on the wire), ``ctl`` (prefixctl).
+``wire`` (token ids on the wire), ``kv_events`` (KV events for routers), ``ctl`` (prefixctl).
 """
 
 from prefixd.api.layout import KVLayout
 from prefixd.client.errors import (DaemonRestarted, DataLoss, DeadlineExceeded, FailedPrecondition,
                                    InvalidArgument, MappingError, NotFound, PrefixdError, ResourceExhausted,
                                    SharedBlockError, Unavailable)
+from prefixd.client.kv_events import KVEvent
 from prefixd.client.handles import LookupResult, Sequence
 from prefixd.client.reconnect import Backoff
 from prefixd.client.session import Session, connect
@@ -33,6 +34,7 @@ __all__ = [
     "DeadlineExceeded",
     "FailedPrecondition",
     "InvalidArgument",
+    "KVEvent",
     "KVLayout",
     "LookupResult",
     "MappingError",

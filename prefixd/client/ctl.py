@@ -1,7 +1,7 @@
 """The ``prefixctl`` command: look at a running prefixd and ask it for a checkpoint.
 
     prefixctl [--socket PATH] [--timeout S] status | stats [--json] | lookup ... | checkpoint
-              | top [--interval S]
+              | top [--interval S] | events [--from N] [--epoch E] [--json]
     prefixctl verify --state-dir DIR [--config FILE] [--json]   (offline, daemon stopped)
 
 It speaks the raw ``prefixd.v1`` stubs over the daemon's Unix socket (no client library, no
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import stat
 import sys
@@ -35,7 +36,8 @@ import grpc
 import prefixd
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.api import prefixd_pb2_grpc as pb_grpc
-from prefixd.client import ctl_lookup, ctl_render
+from prefixd.client import ctl_lookup, ctl_render, kv_events
+from prefixd.client.errors import DeadlineExceeded, PrefixdError, Unavailable
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NOT_SERVING = 0, 1, 2, 3, 4
 DEFAULT_TIMEOUT_S = 10.0
@@ -192,6 +194,29 @@ def pick_layout(status: pb.StatusReply, model: str | None) -> pb.KVLayout:
         raise CtlExit(EXIT_FAILED, f"prefixctl lookup: {exc}") from None
 
 
+def cmd_events(daemon: Connection, args) -> int:
+    """The tenant's KV events, one per line, until the stream ends, Ctrl-C, or ``--timeout``
+    seconds (then exit 0: a watch of that long). The stream's end is exit 1 (too slow:
+    RESOURCE_EXHAUSTED) or 4 (the daemon stopped), with a line naming ``--from N --epoch E``
+    to resume."""
+    daemon.serving_status()
+    last = None
+    try:
+        for event in kv_events.subscribe(daemon.stub, 0, args.from_number, args.epoch,
+                                      timeout=args.timeout):
+            print(json.dumps(event.to_json(), sort_keys=True) if args.json else str(event),
+                  flush=True)
+            last = event
+    except DeadlineExceeded:
+        return EXIT_OK
+    except PrefixdError as exc:
+        resume = (f" (resume: prefixctl events --from {last.sequence_number} --epoch {last.epoch})"
+                  if last is not None else "")
+        code = EXIT_NOT_SERVING if isinstance(exc, Unavailable) else EXIT_FAILED
+        raise CtlExit(code, f"prefixctl: SubscribeEvents ended: {exc}{resume}") from None
+    return EXIT_OK
+
+
 def cmd_top(daemon: Connection, args) -> int:
     daemon.status()  # exit 3 with the reason before the screen is taken
     if not sys.stdout.isatty():
@@ -224,6 +249,16 @@ def cmd_verify(daemon: None, args) -> int:
 # -- the command line -----------------------------------------------------------------------------
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text, 0)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prefixctl", description="inspect a running prefixd daemon")
     parser.add_argument("--version", action="version", version=f"prefixctl {prefixd.__version__}")
@@ -247,6 +282,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="MODEL_ID",
                    help="the pool's model id (needed when the daemon has several pools)")
     p.set_defaults(run=cmd_lookup, prepare=prepare_lookup)
+    p = sub.add_parser("events", help="KV events of this socket's tenant (blocks stored / "
+                                      "removed per tier), replayed then live, one per line")
+    p.add_argument("--from", dest="from_number", metavar="N", type=_non_negative, default=0,
+                   help="only events after number N (default 0: all the daemon still holds)")
+    p.add_argument("--epoch", metavar="E", type=_non_negative, default=0,
+                   help="the epoch of N (from an earlier event; a different one starts with "
+                        "'cleared')")
+    p.add_argument("--json", action="store_true", help="one JSON object per event")
+    p.set_defaults(run=cmd_events)
     p = sub.add_parser("checkpoint", help="fold every pool's log into a checkpoint now")
     p.set_defaults(run=cmd_checkpoint)
     p = sub.add_parser("top", help="a live view: hit rate, tiers, evictions, WAL latency (q quits)")

@@ -46,9 +46,9 @@ import logging
 
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.api.layout import KVLayout
-from prefixd.client import remote_kv
+from prefixd.client import kv_events, remote_kv
 from prefixd.client.attachment import Attachment
-from prefixd.client.errors import InvalidArgument
+from prefixd.client.errors import InvalidArgument, NotFound
 from prefixd.client.handles import LookupResult, Sequence
 from prefixd.client.mapped import check_attend_args
 from prefixd.client.reconnect import Backoff
@@ -241,6 +241,18 @@ class Session(Attachment):
     def _stats(self) -> pb.StatsReply:
         return self._call(lambda: self._stub.Stats(pb.StatsRequest(session_id=self.id), timeout=self._timeout),
                           retry_safe=True, what="stats")
+
+    def subscribe_events(self, from_sequence_number: int = 0, epoch: int = 0, *,
+                         timeout: float | None = None):
+        """The KV events of this session's tenant (every pool of it) after
+        ``from_sequence_number`` of ``epoch``, replayed then live: an iterator of
+        ``prefixd.client.kv_events.KVEvent`` until the stream ends (see that module for a
+        router's use, ``cleared``, and how to resume). Not retried: on ResourceExhausted,
+        Unavailable or NotFound subscribe again from the last event's number and epoch.
+        ``timeout``: the whole stream's deadline (None: none)."""
+        if self._closed:
+            raise NotFound("the session is closed; connect again")
+        return kv_events.subscribe(self._stub, self.id, from_sequence_number, epoch, timeout=timeout)
 
     @property
     def sequences(self) -> list[Sequence]:

@@ -11,6 +11,7 @@ import secrets
 import time
 from collections import Counter
 
+from prefixd.daemon.event_journal import EventJournals
 from prefixd.daemon.metrics import RpcTimes
 from prefixd.daemon.settings import DaemonConfig
 from prefixd.daemon.sessions import SessionTable
@@ -44,6 +45,9 @@ class DaemonCore:
         self.in_flight = 0
         self.progress = RecoveryProgress()  # records replayed / to replay while recovering
         self.keepalive_tasks: set = set()  # KeepAlive handlers' tasks, cancelled at a stop
+        # KV events for routers, per tenant (fed by the engine once it serves; SubscribeEvents)
+        self.events = EventJournals([t.name for t in engine_config.tenants], self.epoch,
+                                    config.events.ring_size, config.events.subscriber_queue)
 
     def check_serving(self) -> None:
         """Raises UNAVAILABLE unless the daemon serves."""

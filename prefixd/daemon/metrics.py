@@ -119,6 +119,7 @@ def snapshot(core) -> list[Family]:
         by_tenant[session.tenant] = by_tenant.get(session.tenant, 0) + 1
     for tenant, n in by_tenant.items():
         add("prefixd_sessions", "gauge", "attached client sessions", {"tenant": tenant}, n)
+    _events(add, core)
     for method, n in sorted(core.calls.items()):
         add("prefixd_rpc_calls", "counter", "rpcs received", {"method": method}, n)
     for method, n in sorted(core.errors.items()):
@@ -129,6 +130,25 @@ def snapshot(core) -> list[Family]:
         add("prefixd_rpc_seconds", "histogram", "unary rpc latency by method and status",
             labels, hist)
     return list(fams.values())
+
+
+def _events(add, core) -> None:
+    """The KV-event journals' families, per tenant (``prefixd.daemon.event_journal``)."""
+    events = getattr(core, "events", None)
+    if events is None:
+        return
+    for tenant, j in events.items():
+        labels = {"tenant": tenant}
+        add("prefixd_events_emitted", "counter", "KV events numbered for routers (blocks stored "
+            "/ removed per tier)", labels, j.emitted)
+        add("prefixd_event_subscribers", "gauge", "SubscribeEvents streams open", labels,
+            j.num_subscribers)
+        add("prefixd_event_overflows", "counter", "event subscribers cut off for falling too far "
+            "behind (RESOURCE_EXHAUSTED)", labels, j.overflows)
+        add("prefixd_event_gaps", "counter", "event streams begun with a cleared event (asked "
+            "for more than the ring holds, or another daemon start)", labels, j.gaps)
+        add("prefixd_event_ring_events", "gauge", "events held for a replay-from", labels,
+            j.next_sequence_number - j.oldest)
 
 
 def _pool(add, pool: dict, dc, block_size: int) -> None:

@@ -116,6 +116,7 @@ class Daemon:
             if lock is not None:
                 lock.release()
             raise
+        self.core.engine.set_event_listener(self.core.events.observe)  # KV events for routers
         self.core.state = SERVING
         for _, health_servicer in self._servers:
             await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -185,6 +186,7 @@ class Daemon:
             await health_servicer.enter_graceful_shutdown()
         for task in list(core.keepalive_tasks):  # streams never end by themselves
             task.cancel()
+        core.events.close()  # SubscribeEvents streams end UNAVAILABLE, naming where to resume
         await self._drain(core.config.shutdown_grace_s)
         await self._close_servers(core.config.shutdown_grace_s)
         ticker.cancel()

@@ -26,6 +26,7 @@ from prefixd.api import prefixd_pb2 as pb
 from prefixd.api import prefixd_pb2_grpc as pb_grpc
 from prefixd.api.layout import KVLayout, as_token_bytes
 from prefixd.daemon.core import RECOVERING, DaemonCore
+from prefixd.daemon.event_stream import subscribe_events
 from prefixd.daemon.metrics import stats_reply_parts
 from prefixd.daemon.sessions import Session
 from prefixd.daemon.status import RpcFailure, exhausted, invalid, status_of
@@ -382,9 +383,8 @@ class PrefixCacheService(pb_grpc.PrefixCacheServicer):
         return pb.StatsReply(values=values, json=doc)
 
     async def SubscribeEvents(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "KV events for routers arrive with the cluster tier; not served yet")
-        yield  # pragma: no cover - makes this an async generator
+        async for event in subscribe_events(self.core, self.tenant, request, context):
+            yield event
 
     @rpc
     async def Status(self, request, context):

@@ -18,6 +18,10 @@ policies, tenants), ``[daemon]`` is this::
     blocks_per_tenant = 16777216
     pools_per_tenant = 16                 # one pool per KV layout attached with
 
+    [daemon.events]                       # KV events for routers (SubscribeEvents)
+    ring_size = 65536                     # events kept per tenant for a replay-from
+    subscriber_queue = 4096               # events one subscriber may lag before it is cut off
+
     [daemon.metrics]                      # Prometheus exposition (prefixd.daemon.metrics_http)
     listen = ""                           # "" off; "127.0.0.1:9464" (loopback only) or
                                           #   "unix:/run/prefixd/metrics.sock"
@@ -118,6 +122,24 @@ class MetricsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EventsConfig:
+    """The KV-event journal (``prefixd.daemon.event_journal``): ``ring_size`` events kept per
+    tenant for a subscriber that reconnects with ``from_sequence_number``; a subscriber more
+    than ``subscriber_queue`` events behind is ended RESOURCE_EXHAUSTED (it resumes from the
+    ring). Memory: a run's hashes (16 bytes a block) per event, times ``ring_size``."""
+
+    ring_size: int = 65536
+    subscriber_queue: int = 4096
+
+    def __post_init__(self) -> None:
+        for key, low, high in (("ring_size", 16, 1 << 24), ("subscriber_queue", 1, 1 << 20)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ConfigError(f"daemon.events.{key} must be an integer in {low}..{high}, "
+                                  f"got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class DaemonConfig:
     """Every daemon setting and its default (see the module docstring for the TOML form)."""
 
@@ -130,6 +152,7 @@ class DaemonConfig:
     limits: Limits = Limits()
     sockets: tuple[TenantSocket, ...] = ()
     metrics: MetricsConfig = MetricsConfig()
+    events: EventsConfig = EventsConfig()
 
     def __post_init__(self) -> None:
         for key in ("lease_s", "shutdown_grace_s"):
@@ -183,7 +206,15 @@ class DaemonConfig:
             raise ConfigError(f"[daemon] must be a table, got {table!r}")
         known = [f.name for f in dataclasses.fields(cls)]
         refuse_unknown("daemon", table, known)
-        kwargs = {k: v for k, v in table.items() if k not in ("limits", "sockets", "metrics")}
+        kwargs = {k: v for k, v in table.items()
+                  if k not in ("limits", "sockets", "metrics", "events")}
+        if "events" in table:
+            events = table["events"]
+            if not isinstance(events, Mapping):
+                raise ConfigError(f"[daemon.events] must be a table, got {events!r}")
+            refuse_unknown("daemon.events", events,
+                           [f.name for f in dataclasses.fields(EventsConfig)])
+            kwargs["events"] = EventsConfig(**events)
         if "metrics" in table:
             metrics = table["metrics"]
             if not isinstance(metrics, Mapping):

@@ -158,8 +158,10 @@ def test_stats_status_and_checkpoint(stub, sid):
     assert stub.Checkpoint(pb.CheckpointRequest()).pools >= 1
 
 
-def test_subscribe_events_says_it_is_not_served_yet(stub, sid):
-    stream = stub.SubscribeEvents(pb.SubscribeEventsRequest(session_id=sid))
+def test_subscribe_events_checks_the_session(stub, sid):
+    """Served since issue 15 (tests/daemon/test_events.py); an unknown session is NOT_FOUND
+    like every other rpc's."""
+    stream = stub.SubscribeEvents(pb.SubscribeEventsRequest(session_id=sid ^ 1), timeout=30)
     with pytest.raises(grpc.RpcError) as err:
         next(iter(stream))
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
