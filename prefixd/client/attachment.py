@@ -130,6 +130,14 @@ class Attachment:
         """True when KV and attention go through the mapped pool."""
         return self.pool is not None
 
+    @property
+    def lease_held(self) -> bool:
+        """True while the keep-alive stream is up, so slots handed out under ``epoch`` still
+        are what they were: for a caller that copies into the mapped pool through slots it got
+        from another session (the vLLM connector's worker side checks it around its copies)."""
+        ka = self._keepalive
+        return ka is not None and ka.lost is None
+
     def _open_channel(self) -> None:
         # NOTE: once per session: a channel reconnects by itself after a daemon restart (the
         # backoff in _CHANNEL_OPTIONS), and closing it under another thread's call made that
