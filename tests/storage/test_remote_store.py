@@ -6,6 +6,7 @@ without seeing each other's keys. Tests that kill, pause or reconfigure nodes pu
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import time
 
@@ -245,3 +246,26 @@ def test_out_of_memory_skips_writes_and_keeps_serving(redis_cluster, store):  # 
         redis_cluster.config_set("maxmemory", redis_cluster.maxmemory)
         redis_cluster.config_set("maxmemory-policy", redis_cluster.maxmemory_policy)
     assert store.put(refused) == 8
+
+
+def test_restarted_node_is_used_at_once_by_connections_idle_through_the_outage(redis_cluster):  # noqa: F811
+    """Bug (found by the engine's kill/restart test): only the thread that saw a node die replaced
+    its connection; the writer thread's idle connection to it, closed by the dead process, failed
+    once more after the restart and opened a second outage (a log line, retry_after_s of misses)."""
+    store = RemoteStore(redis_cluster.nodes, NS, timeout_s=0.5, retry_after_s=0.2)
+    blocks = chain(24)
+    writer = concurrent.futures.ThreadPoolExecutor(max_workers=1)  # one thread, like write-behind
+    try:
+        assert writer.submit(store.put, blocks).result() == 24  # the writer's connections, then idle
+        assert ask(store, blocks) == blocks
+        redis_cluster.kill(1)
+        assert len(ask(store, blocks)) < 24                      # the reader sees the outage
+        redis_cluster.restart(1)
+        time.sleep(0.3)                                          # past retry_after_s
+        errors = store.stats()["errors"]
+        assert writer.submit(store.put, blocks).result() == 24   # must not fail on the stale socket
+        assert store.stats()["errors"] == errors
+        assert ask(store, blocks) == blocks
+    finally:
+        writer.shutdown()
+        store.close()
