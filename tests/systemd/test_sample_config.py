@@ -8,7 +8,7 @@ import pathlib
 import re
 
 from prefixd.daemon.sessions import Limits
-from prefixd.daemon.settings import DaemonConfig, MetricsConfig, TenantSocket, load
+from prefixd.daemon.settings import DaemonConfig, EventsConfig, MetricsConfig, TenantSocket, load
 from prefixd.engine.config import EngineConfig, TierSizes
 
 SAMPLE = pathlib.Path(__file__).resolve().parents[2] / "systemd" / "prefixd.toml"
@@ -16,7 +16,8 @@ SAMPLE = pathlib.Path(__file__).resolve().parents[2] / "systemd" / "prefixd.toml
 # dataclass fields that the file spells differently
 SPELLED = {"model_blocks": "[engine.blocks.models.", "blocks": "[engine.blocks]",
            "tenants": "[[engine.tenants]]", "limits": "[daemon.limits]",
-           "sockets": "[[daemon.sockets]]", "metrics": "[daemon.metrics]"}
+           "sockets": "[[daemon.sockets]]", "metrics": "[daemon.metrics]",
+           "events": "[daemon.events]"}
 
 
 def test_sample_config_loads_and_equals_the_defaults():
@@ -30,7 +31,8 @@ def test_sample_config_names_every_setting():
     ``socket``, the per-model sizes and ``[[daemon.sockets]]``."""
     text = SAMPLE.read_text()
     missing = []
-    for cls in (EngineConfig, TierSizes, DaemonConfig, Limits, TenantSocket, MetricsConfig):
+    for cls in (EngineConfig, TierSizes, DaemonConfig, Limits, TenantSocket, MetricsConfig,
+                EventsConfig):
         for field in dataclasses.fields(cls):
             spelled = SPELLED.get(field.name)
             if spelled is not None:
