@@ -50,7 +50,6 @@ import torch
 from prefixd.api.layout import as_token_bytes
 from prefixd.api.tiers import Tier
 from prefixd.cache.errors import OutOfBlocks
-from prefixd.cache.events import BlocksStored
 from prefixd.cache.hashing import chain_hashes, namespace_hash, root_hash
 from prefixd.cache.node import path_to
 from prefixd.engine.cluster_writer import ClusterWriter
@@ -130,17 +129,18 @@ class ClusterTier:
 
     # -- write-behind --------------------------------------------------------------------------
 
-    def after_commit(self, seq, durability: str) -> None:
-        """Offer the blocks the commit just indexed (``BlocksStored`` events not drained yet)
-        when the policy takes them; before ``_make_durable`` drains the events."""
-        if self.min_hits or (self.config.write_policy == "power" and durability != "power"):
+    def after_commit(self, seq, durability: str, added: int) -> None:
+        """Offer the ``added`` blocks a commit of ``seq`` just indexed, when the policy takes
+        them. They end the sequence's indexed prefix, in its own device slots.
+
+        NOTE: counted by the commit's return value, not found among the cache's pending
+        ``BlocksStored`` events: a commit whose write-through ran short of quarantined slots
+        logs (drains) the events inside the commit (``_force_reclaim``)."""
+        if not added or self.min_hits or (self.config.write_policy == "power"
+                                          and durability != "power"):
             return
-        stored = [e for e in self.cache.events if type(e) is BlocksStored]
-        if stored:
-            num = sum(len(e.hashes) for e in stored)
-            end = seq.num_indexed  # the new run ends the sequence's indexed prefix
-            slots = [s for e in stored for s in e.slots]
-            self._offer(seq.tokens, seq.extra, end - num, end, slots)
+        end = seq.num_indexed
+        self._offer(seq.tokens, seq.extra, end - added, end, seq.block_table[end - added:end])
 
     def after_open(self, seq) -> None:
         """``hits>=N``: offer the runs of the match whose hit count reached N, once each."""
@@ -247,10 +247,12 @@ class ClusterTier:
                 return 0
             self._write(seq.block_table[have:have + r], [b.kv for b in run])
             cache.commit(seq.id)
-            for e in cache.events:
-                if type(e) is BlocksStored:
-                    for h in e.hashes:
-                        self._remember(h)  # from the cluster: never offered back
+            at = 0
+            for node in path_to(seq.node):
+                if at >= have:  # from the cluster: never offered back (``hits>=N``)
+                    for h in node.hashes:
+                        self._remember(h)
+                at += node.num_blocks
         finally:
             cache.release(seq.id)
             for name, value in zip(_UNDONE_STATS, saved):

@@ -170,9 +170,11 @@ class DurableCache:
     @_poison_on_storage_error
     def fork(self, seq_id: int, num_children: int):
         self._expire_if_due()
+        indexed = self.cache.sequence(seq_id).num_indexed
         children = self.cache.fork(seq_id, num_children)
         if self.cluster is not None:  # fork indexes the parent's full blocks
-            self.cluster.after_commit(self.cache.sequence(seq_id), "index")
+            seq = self.cache.sequence(seq_id)
+            self.cluster.after_commit(seq, "index", seq.num_indexed - indexed)
         session = self._sessions.get(seq_id, 0)
         for child in children:
             self._sessions[child.id] = session
@@ -233,7 +235,7 @@ class DurableCache:
         seq = self.cache.sequence(seq_id)
         added = self.cache.commit(seq_id)
         if self.cluster is not None:
-            self.cluster.after_commit(seq, durability)
+            self.cluster.after_commit(seq, durability, added)
         return self._make_durable(seq, durability, added)
 
     @_poison_on_storage_error
@@ -247,9 +249,9 @@ class DurableCache:
         ticket = None
         if commit:
             seq = self.cache.sequence(seq_id)
-            self.cache.commit(seq_id)
+            added = self.cache.commit(seq_id)
             if self.cluster is not None:
-                self.cluster.after_commit(seq, durability)
+                self.cluster.after_commit(seq, durability, added)
             ticket = self._make_durable(seq, durability, None)
         self.cache.release(seq_id)
         self._sessions.pop(seq_id, None)
