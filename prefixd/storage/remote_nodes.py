@@ -40,6 +40,8 @@ NUM_SLOTS = 16384
 # whose timeout bounds the whole send in Python, so they get a longer one than reads.
 PUT_TIMEOUT_FLOOR_S = 0.5
 
+READ_SIZE = 1 << 20
+
 
 class NodeFailure(Exception):
     """A node could not be used for this batch; ``timeout`` says whether it went silent."""
@@ -193,7 +195,8 @@ class ClusterLinks:
             timeout = self.timeout_s if purpose == "get" else max(self.timeout_s, PUT_TIMEOUT_FLOOR_S)
             conn = Connection(host=host, port=int(port), socket_timeout=timeout,
                               socket_connect_timeout=self.connect_timeout_s,
-                              retry=Retry(NoBackoff(), 0), driver_info=None)
+                              retry=Retry(NoBackoff(), 0), driver_info=None,
+                              socket_read_size=READ_SIZE)
             conns[(node, purpose)] = conn
             with self._lock:
                 self._conns.append(conn)
