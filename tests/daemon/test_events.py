@@ -3,7 +3,8 @@ events of a commit with the right chained hashes and tiers, removed events on ev
 replay-from after a disconnect that misses and repeats nothing, ``cleared`` for a number older
 than the ring, tenant isolation (with a positive control), a slow subscriber cut off with
 RESOURCE_EXHAUSTED while the daemon stays healthy, the client library's iterator and
-``prefixctl events``, and the stream's end at SIGTERM (last: it stops the module's daemon)."""
+``prefixctl events``, the session check, and the stream's end at SIGTERM (last: it stops the
+module's daemon)."""
 
 from __future__ import annotations
 
@@ -297,6 +298,25 @@ def test_prefixctl_events_prints_one_event_per_line(daemon, alpha, capsys):
     assert lines[0]["sequence_number"] == start + 1 and lines[0]["kind"] == "stored"
     assert lines[0]["tier"] == "device" and len(lines[0]["block_hashes"]) == 2
     assert [doc["sequence_number"] for doc in lines] == list(range(start + 1, start + 1 + len(lines)))
+
+
+def test_a_stream_naming_a_session_ends_with_it(alpha):
+    """A subscription made with a session id (the client library's) is checked like every
+    rpc's and ends NOT_FOUND once that session ends; one without (0) is the socket's."""
+    reply = attach(alpha)
+    start = head(alpha)
+    mine = kv_events.subscribe(alpha, reply.session_id, start, reply.epoch, timeout=60)
+    anyone = kv_events.subscribe(alpha, 0, start, reply.epoch, timeout=60)
+    commit(alpha, reply.session_id, new_prompt(9))
+    assert next(mine).sequence_number == start + 1 == next(anyone).sequence_number
+    alpha.Detach(pb.DetachRequest(session_id=reply.session_id))
+    with pytest.raises(pc.NotFound, match="ended"):
+        for _ in mine:
+            pass
+    other = attach(alpha)
+    commit(alpha, other.session_id, new_prompt(9))
+    assert next(anyone).sequence_number == start + 2  # the socket's stream goes on
+    anyone.close()
 
 
 def test_sigterm_ends_the_stream_unavailable(daemon, alpha):
