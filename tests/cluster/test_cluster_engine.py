@@ -78,7 +78,8 @@ def test_a_killed_cluster_node_costs_hits_never_bytes(hosts, redis_cluster):
         _check(a, b)
         return cached // BS
 
-    assert [step(k) for k in range(8)] == [10] * 8  # all up: every block a hit
+    up = [step(k) for k in range(8)]
+    assert up == [10] * 8, (a.cluster.stats(), b.cluster.stats())  # all up: every block a hit
     redis_cluster.kill(1)
     try:
         down = [step(k) for k in range(8, 16)]
