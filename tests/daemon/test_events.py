@@ -262,7 +262,8 @@ def test_a_slow_subscriber_is_cut_off_and_the_daemon_stays_healthy(daemon, alpha
     commit(alpha, sid, new_prompt(9))
     first = next(slow)  # the stream is live
     overflows = stat(alpha, "prefixd_event_overflows_total")
-    for _ in range(1000):  # events of 22 blocks (~400 bytes of hashes, as many of tokens)
+    # events of 22 blocks (~400 bytes of hashes, as many of tokens); it took 52 commits here
+    for _ in range(1000):
         if stat(alpha, "prefixd_event_overflows_total") > overflows:
             break
         commit(alpha, sid, new_prompt(89))
