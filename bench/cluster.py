@@ -96,7 +96,10 @@ def _serve(dc, tokens: bytes, rng: np.random.Generator | None) -> int:
 
 
 def _bare_mget(conns: dict[str, Connection], keys: list[bytes], owners: list[str]) -> int:
-    """The floor: one MGET per hash slot, every node's batch sent first, then every reply read."""
+    """The floor: one MGET per hash slot, every node's batch sent first, then every reply read.
+
+    The values are kept until every reply is in, as any fetch must (dropping each one at once
+    would let the allocator hand the next reply the same cache-warm pages)."""
     by_slot: dict[tuple[str, int], list[bytes]] = {}
     for k, o in zip(keys, owners):
         by_slot.setdefault((o, key_slot(k)), []).append(k)
@@ -105,11 +108,11 @@ def _bare_mget(conns: dict[str, Connection], keys: list[bytes], owners: list[str
         groups.setdefault(o, []).append(("MGET", *ks))
     for o, cmds in groups.items():
         conns[o].send_packed_command(conns[o].pack_commands(cmds), check_health=False)
-    got = 0
+    values = []
     for o, cmds in groups.items():
         for _ in cmds:
-            got += sum(len(v) for v in conns[o].read_response() if v is not None)
-    return got
+            values.extend(conns[o].read_response())
+    return sum(len(v) for v in values if v is not None)
 
 
 def _owners(client: RedisClusterClient, keys: list[bytes]) -> list[str]:
