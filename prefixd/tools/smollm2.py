@@ -178,8 +178,13 @@ def _installed() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m prefixd.tools.smollm2``: convert (if needed) and print the directory."""
+    """``python -m prefixd.tools.smollm2``: convert (if needed) and print the directory.
+
+    The directory is the one line on stdout (``make vllm-venv`` keeps it; ``vllm serve`` takes
+    it); progress goes to stderr.
+    """
     import argparse
+    import sys
 
     parser = argparse.ArgumentParser(prog="python -m prefixd.tools.smollm2", description=main.__doc__)
     parser.parse_args(argv)
@@ -187,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     path = convert()
     log.info("model dir=%s ready in %.1f s", path, time.perf_counter() - t0)
+    sys.stdout.write(f"{path}\n")
     return 0
 
 
