@@ -119,10 +119,10 @@ def _owners(client: RedisClusterClient, keys: list[bytes]) -> list[str]:
     return [client.get_node_from_key(k).name for k in keys]
 
 
-def fetch(cluster: RedisCluster, reps: int, work: str) -> dict:
+def fetch(cluster: RedisCluster, reps: int, work: str, prefix_tokens: int = PREFIX_TOKENS) -> dict:
     rng = np.random.default_rng(0)
-    num_blocks = PREFIX_TOKENS // BS
-    prompts = [rng.integers(0, 128256, PREFIX_TOKENS + 1, dtype=np.int32).astype("<i4").tobytes()
+    num_blocks = prefix_tokens // BS
+    prompts = [rng.integers(0, 128256, prefix_tokens + 1, dtype=np.int32).astype("<i4").tobytes()
                for _ in range(reps + 1)]
     sizes = TierSizes(device=WARM_PREFIXES * num_blocks + 32, host=WARM_PREFIXES * num_blocks + 32,
                       disk=WARM_PREFIXES * num_blocks + 32)
@@ -142,7 +142,7 @@ def fetch(cluster: RedisCluster, reps: int, work: str) -> dict:
             assert a.cluster.drain(120.0), "engine A's write-behind did not drain"
         written = a.cluster.stats().get("remote_written", 0)
         for _ in range(WARM_PREFIXES):  # B's own prompts: every pool page touched, pools full
-            _serve(b, rng.integers(0, 128256, PREFIX_TOKENS + 1, dtype=np.int32).astype("<i4").tobytes(), rng)
+            _serve(b, rng.integers(0, 128256, prefix_tokens + 1, dtype=np.int32).astype("<i4").tobytes(), rng)
         b.cluster.drain(120.0)
         # Warm-up: B's and the floor's connections and slot maps, on the extra prompt.
         runs = []
@@ -207,7 +207,7 @@ def fetch(cluster: RedisCluster, reps: int, work: str) -> dict:
         "layout": {"model_id": SMOL.model_id, "num_layers": SMOL.num_layers,
                    "num_kv_heads": SMOL.num_kv_heads, "head_dim": SMOL.head_dim,
                    "dtype": SMOL.dtype, "block_size": BS, "block_bytes": SMOL.block_bytes},
-        "prefix_tokens": PREFIX_TOKENS, "blocks": num_blocks, "bytes": nbytes, "reps": reps,
+        "prefix_tokens": prefix_tokens, "blocks": num_blocks, "bytes": nbytes, "reps": reps,
         "written_by_a": written, "promoted_blocks": promoted, "hiredis": HIREDIS_AVAILABLE,
         "floor.mget_gbps": round(med(floor), 3),
         "floor.mget_nonatomic_gbps": round(med(nonatomic), 3),
@@ -276,12 +276,14 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--prefix-tokens", type=int, default=PREFIX_TOKENS,
+                   help="the fetched prefix (a multiple of 16; smaller only for smoke tests)")
     args = p.parse_args()
     work = tempfile.mkdtemp(prefix="prefixd-bench-cluster-", dir="/var/tmp")
     try:
         with RedisCluster(nodes=3, maxmemory="512mb") as cluster:
             out = {"bench": "cluster", "nodes": 3, "timeout_ms": TIMEOUT_MS,
-                   "fetch": fetch(cluster, args.reps, work),
+                   "fetch": fetch(cluster, args.reps, work, args.prefix_tokens),
                    "hit_rate": hit_rate(cluster, args.groups, args.prompts, work)}
     finally:
         shutil.rmtree(work, ignore_errors=True)
