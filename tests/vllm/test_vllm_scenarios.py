@@ -1,0 +1,237 @@
+"""Real vLLM processes (the vLLM venv, ``prefixd.tools.vllm_run``) over one real daemon: what
+issue 14 promises a host that runs vLLM with ``PrefixdConnector``.
+
+SmolLM2-135M-Instruct, greedy, 2 system prompts x 2 questions (~290 tokens each; vLLM's CPU
+block is 128 tokens, so a question's system part is one shared block and each prompt has two
+full blocks below its last token). The fixtures build on each other, one vLLM process each:
+
+1. ``baseline``: vLLM without a connector: the tokens every later run must give.
+2. ``first``: vLLM + prefixd on a fresh daemon: computes system 0's two questions.
+3. ``pair``: two vLLM processes at once, ordered by gate files: ``C`` asks system 0's first
+   question again (the first process has exited: external hits) and then system 1's first;
+   ``F``, alive beside it, asks system 1's second question, whose system part only ``C``
+   computed.
+4. ``restarted``: the daemon is killed with SIGKILL and restarted; a fresh vLLM asks system 1's
+   first question (hits, same tokens), then starts a long request that is killed with SIGKILL
+   once the daemon shows it pinned: within the lease no session, sequence or pin is left.
+
+Five vLLM starts (two of them at once): ~4-6 minutes on the loaded 2-core dev host, most of it
+vLLM importing (~30-45 s a process there). Skipped with a reason where the vLLM venv is
+missing, except under CI or as root, where a missing venv fails (``make test`` makes it).
+"""
+
+import os
+import time
+
+import pytest
+
+from prefixd.api import prefixd_pb2 as pb
+from prefixd.tools import vllm_child
+from tests.daemon.harness import start_daemon
+
+pytestmark = pytest.mark.timeout(900)
+
+NEW_TOKENS = 8
+SYSTEM_TOKENS = 200
+LONG_TOKENS = 400  # the request killed mid-way: far longer than the wait for its pins
+
+# SmolLM2 at vLLM's CPU block size in float32: 128 tokens x 30 layers x 2 x 3 x 64 x 4 bytes =
+# 5.6 MiB a block. Small pools; recovered sequences (a release is not durable by itself) are
+# released soon after a restart, so the pin check sees only the vLLM it kills.
+CONFIG = """
+[engine]
+sync = "commit"
+shm_dir = "{shm}"
+reclaim_grace_s = 2.0
+
+[engine.blocks]
+device = 32
+host = 32
+disk = 64
+
+[daemon]
+lease_s = {lease_s}
+"""
+
+
+def _must_have(reason: str) -> None:
+    """Skip, or fail where the environment promises the vLLM venv (CI, or root as in CI)."""
+    if os.environ.get("CI") or os.geteuid() == 0:
+        pytest.fail(reason + " (CI and root runs must have it: make vllm-venv)")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    try:
+        vllm_child.vllm_python()
+    except vllm_child.VllmMissing as exc:
+        _must_have(str(exc))
+    pytest.importorskip("transformers")
+    from prefixd.tools import smollm2
+
+    try:
+        return smollm2.convert()  # made by `make vllm-venv`; at once when it is there
+    except smollm2.SmolLM2Missing as exc:
+        _must_have(str(exc))
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir):
+    """``[(system, question)] -> token ids`` for 2 systems x 2 questions."""
+    from transformers import AutoTokenizer
+
+    from prefixd.tools import chat_requests
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return {(r.system, r.question): r.input_ids
+            for r in chat_requests.build_requests(tokenizer, 2, 2, SYSTEM_TOKENS)}
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    with start_daemon(CONFIG, lease_s=3.0) as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dir, prompts, tmp_path_factory):
+    keys = sorted(prompts)
+    result = vllm_child.run_vllm(model_dir, [prompts[k] for k in keys], max_tokens=NEW_TOKENS,
+                                 workdir=str(tmp_path_factory.mktemp("baseline")))
+    return {k: r["tokens"] for k, r in zip(keys, result.results)}
+
+
+@pytest.fixture(scope="module")
+def first(model_dir, prompts, daemon, baseline, tmp_path_factory):
+    keys = [(0, 0), (0, 1)]
+    result = vllm_child.run_vllm(model_dir, [prompts[k] for k in keys], max_tokens=NEW_TOKENS,
+                                 connector="prefixd", socket=daemon.socket,
+                                 workdir=str(tmp_path_factory.mktemp("first")))
+    return result, dict(zip(keys, result.results))
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir, prompts, daemon, first, tmp_path_factory):
+    """``(C's results, F's results, both alive when F's request finished)``."""
+    c = vllm_child.start_vllm(model_dir, [prompts[0, 0], prompts[1, 0]], max_tokens=NEW_TOKENS,
+                              connector="prefixd", socket=daemon.socket, gated=True,
+                              workdir=str(tmp_path_factory.mktemp("pair_c")))
+    f = vllm_child.start_vllm(model_dir, [prompts[1, 1]], max_tokens=NEW_TOKENS,
+                              connector="prefixd", socket=daemon.socket, gated=True,
+                              workdir=str(tmp_path_factory.mktemp("pair_f")))
+    try:
+        for i in ("0", "1"):
+            c.open_gate(i)
+            c.wait_for(f"done {i}")
+        f.open_gate("0")
+        f.wait_for("done 0")
+        both_alive = c.proc.poll() is None and f.proc.poll() is None
+        sessions = _values(daemon)["prefixd_sessions"]
+        c.open_gate("end")
+        f.open_gate("end")
+        c_result, f_result = c.wait(), f.wait()
+    finally:
+        c.kill9()
+        f.kill9()
+    return ({(0, 0): c_result.results[0], (1, 0): c_result.results[1]},
+            {(1, 1): f_result.results[0]}, both_alive, sessions)
+
+
+@pytest.fixture(scope="module")
+def restarted(model_dir, prompts, daemon, pair, tmp_path_factory):
+    """``(results of the request after the restart, Stats while the long request ran, after)``."""
+    daemon.kill()
+    daemon.start()
+    _wait(lambda: _held(_values(daemon)) == (0, 0, 0), 60, "recovered sequences were not released")
+    child = vllm_child.start_vllm(model_dir, [prompts[1, 0], {"ids": prompts[0, 1], "max_tokens": LONG_TOKENS}],
+                                  max_tokens=NEW_TOKENS, connector="prefixd", socket=daemon.socket,
+                                  workdir=str(tmp_path_factory.mktemp("restarted")))
+    try:
+        child.wait_for("started 1")
+        during = _wait(lambda: _pinned(_values(daemon)), 300, "the long request never showed pins")
+        assert child.proc.poll() is None and not any(x.startswith("done 1") for x in child.lines()), \
+            "the long request ended before the kill: raise LONG_TOKENS"
+    finally:
+        child.kill9()
+    done = child.done()
+    after = _wait(lambda: _released(_values(daemon)), 3.0 + 10, "a killed vLLM's session kept its pins")
+    return done, during, after
+
+
+def _values(daemon) -> dict:
+    return dict(daemon.stub().Stats(pb.StatsRequest(), timeout=30).values)
+
+
+def _held(values: dict) -> tuple:
+    return (int(values.get("prefixd_sequences", 0)), int(values.get("prefixd_refcount", 0)),
+            int(values.get("prefixd_pinned_device_blocks", 0)))
+
+
+def _pinned(values: dict) -> dict | None:
+    return values if _held(values)[1] > 0 else None
+
+
+def _released(values: dict) -> dict | None:
+    return values if values.get("prefixd_sessions") == 0 and _held(values) == (0, 0, 0) else None
+
+
+def _wait(probe, timeout: float, message: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = probe()
+        if got:
+            return got
+        time.sleep(0.05)
+    pytest.fail(f"{message} within {timeout} s")
+
+
+def _full_blocks_below_last(prompt: list[int], block_size: int) -> int:
+    return (len(prompt) - 1) // block_size * block_size
+
+
+def _shared_blocks(a: list[int], b: list[int], block_size: int) -> int:
+    common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return min(common, len(b) - 1) // block_size * block_size
+
+
+def test_the_same_prompts_give_the_same_tokens_with_and_without_the_prefixd_connector(baseline, first, prompts):
+    result, by_key = first
+    bs = result.block_size
+    for key, r in by_key.items():
+        assert r["tokens"] == baseline[key], key
+    # A fresh daemon has nothing; the second question hits the system block the first saved.
+    assert by_key[0, 0]["external_hit_tokens"] == 0
+    assert by_key[0, 1]["external_hit_tokens"] == _shared_blocks(prompts[0, 0], prompts[0, 1], bs) >= bs
+
+
+def test_a_second_vllm_process_gets_external_hits_for_what_the_first_computed(pair, baseline, first, prompts):
+    c_results, _, _, _ = pair
+    bs = first[0].block_size
+    r = c_results[0, 0]
+    assert r["external_hit_tokens"] == _full_blocks_below_last(prompts[0, 0], bs) > 0
+    assert r["tokens"] == baseline[0, 0]
+
+
+def test_two_vllm_processes_at_once_share_one_daemon_cache(pair, baseline, first, prompts):
+    c_results, f_results, both_alive, sessions = pair
+    bs = first[0].block_size
+    assert both_alive and sessions >= 2
+    assert c_results[1, 0]["tokens"] == baseline[1, 0]
+    # System 1 was computed only by C, in the other process, a moment before.
+    assert f_results[1, 1]["external_hit_tokens"] == _shared_blocks(prompts[1, 0], prompts[1, 1], bs) >= bs
+    assert f_results[1, 1]["tokens"] == baseline[1, 1]
+
+
+def test_after_kill_9_of_the_daemon_and_a_restart_the_next_vllm_request_still_hits(restarted, baseline, first, prompts):
+    done, _, _ = restarted
+    bs = first[0].block_size
+    (r,) = done
+    assert r["external_hit_tokens"] == _full_blocks_below_last(prompts[1, 0], bs) > 0
+    assert r["tokens"] == baseline[1, 0]
+
+
+def test_kill_9_of_vllm_mid_request_leaves_no_session_sequence_or_pin(restarted):
+    _, during, after = restarted
+    assert during["prefixd_sessions"] >= 1 and _held(during)[1] > 0  # it did hold pins
+    assert after["prefixd_sessions"] == 0 and _held(after) == (0, 0, 0)
