@@ -217,6 +217,11 @@ def _pool(add, pool: dict, dc, block_size: int) -> None:
     recovery = getattr(dc, "recovery", None) or {}
     add("prefixd_recovery_seconds", "gauge", "how long this pool's last recovery took", pool,
         float(recovery.get("ready_s", 0.0)))
+    cluster = getattr(dc, "cluster", None)
+    if cluster is not None:  # [engine.cluster]: remote hits, fetch errors, write-behind
+        for name, value in cluster.stats().items():
+            add(f"prefixd_cluster_{name}", "counter", f"cluster tier: {name} (see "
+                "prefixd.engine.cluster_tier.ClusterTier.stats)", pool, value)
 
 
 def _labels(labels: dict) -> str:
@@ -270,6 +275,8 @@ def stats_document(core, tenant: str) -> dict:
             if pool_tenant == tenant:
                 pools[layout.model_id] = {"cache": dc.cache.stats.as_dict(),
                                           "blocks": list(dc.cache.tree.num_blocks_in)}
+                if getattr(dc, "cluster", None) is not None:
+                    pools[layout.model_id]["cluster"] = dc.cluster.stats()
     sessions = sum(1 for s in core.sessions if s.tenant == tenant)
     return {"tenant": tenant, "pools": pools, "sessions": float(sessions), "pid": os.getpid()}
 

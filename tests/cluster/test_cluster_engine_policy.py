@@ -5,6 +5,8 @@ import dataclasses
 import subprocess
 import sys
 import threading
+import time
+import types
 
 import numpy as np
 import pytest
@@ -305,3 +307,30 @@ def test_every_committed_block_is_offered_even_when_the_commit_forces_a_reclaim(
         dc.check_invariants()
     finally:
         engine.close()
+
+
+def test_the_daemons_stats_and_metrics_show_the_cluster_counters(tmp_path, fake):
+    from prefixd.daemon.metrics import snapshot, stats_document, stats_values
+    from prefixd.engine.progress import RecoveryProgress
+
+    cfg = config(tmp_path, ["127.0.0.1:1"])
+    first, second = host(tmp_path, "a", cfg), host(tmp_path, "b", cfg)
+    try:
+        tokens = prompt(12)
+        serve(first.pool("acme", LAYOUT), tokens)
+        assert first.pool("acme", LAYOUT).cluster.drain()
+        served(second.pool("acme", LAYOUT), tokens)
+        core = types.SimpleNamespace(
+            state="serving", started=time.monotonic(), progress=RecoveryProgress(),
+            engine=second, engine_config=cfg, sessions=[], calls={}, errors={}, in_flight=0,
+            rpc_times=types.SimpleNamespace(samples=lambda: []))
+        values = stats_values(snapshot(core), "acme")
+        assert values["prefixd_cluster_remote_hit_blocks_total"] == 10
+        assert values["prefixd_cluster_remote_hit_tokens_total"] == 10 * BS
+        assert values["prefixd_cluster_fetch_errors_total"] == 0
+        doc = stats_document(core, "acme")
+        assert doc["pools"][LAYOUT.model_id]["cluster"]["remote_hit_blocks"] == 10
+        assert "prefixd_cluster_fetches_total" not in stats_values(snapshot(core), "globex")
+    finally:
+        first.close()
+        second.close()
