@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import logging
+import threading
 import time
 
 import pytest
@@ -167,8 +169,9 @@ def test_caller_bugs_raise(store):
         RemoteStore(["nohost"], NS)
 
 
-def test_killed_node_is_a_miss_then_serves_after_restart(redis_cluster, store):  # noqa: F811
-    """A dead node must turn into misses and skipped writes (no exception), once per outage."""
+def test_killed_node_is_a_miss_then_serves_after_restart(redis_cluster, store, caplog):  # noqa: F811
+    """A dead node must turn into misses and skipped writes (no exception), logged once per outage."""
+    caplog.set_level(logging.WARNING, logger="prefixd.storage.remote_nodes")
     blocks = chain(24)
     assert store.put(blocks) == 24
     redis_cluster.kill(1)
@@ -183,11 +186,41 @@ def test_killed_node_is_a_miss_then_serves_after_restart(redis_cluster, store): 
         assert store.put(chain(24)) < 24
         stats = store.stats()
         assert stats["errors"] == errors and stats["skipped_down"] > 0
+        time.sleep(0.3)  # past retry_after_s: asked again, fails again, the same outage
+        assert ask(store, blocks) == run
+        assert store.stats()["errors"] > errors
     finally:
         redis_cluster.restart(1)
     # The restarted node lost its keys; the owner writes the run again and it is served.
     assert put_until_written(store, blocks) == 24
     assert ask(store, blocks) == blocks
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("cluster node down" in m for m in lines) == 1, lines
+    assert sum("cluster node back" in m for m in lines) == 1, lines
+
+
+def test_put_and_get_run_on_two_threads_serve_only_right_bytes(store):
+    """put (a write-behind thread) and get_run (the engine thread) at once: no error, no
+    wrong block, every run a leading run of what was written."""
+    chains = [chain(6) for _ in range(40)]
+    failures: list[BaseException] = []
+
+    def write():
+        try:
+            for c in chains:
+                store.put(c)
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            failures.append(e)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    while writer.is_alive():
+        for c in chains:
+            run = ask(store, c)
+            assert run == c[:len(run)]
+    writer.join()
+    assert not failures
+    assert all(ask(store, c) == c for c in chains)
 
 
 def test_silent_node_times_out_into_a_miss(redis_cluster):  # noqa: F811
