@@ -153,3 +153,10 @@ def test_block_copies_refuse_a_pool_of_another_shape():
         save_blocks(torch.zeros(2, 1, 2, N, H, D + 1), views, [0], [0])
     with pytest.raises(ValueError, match="slots"):
         load_blocks(torch.zeros(2, 1, 2, N, H, D), views, [0, 1], [0])
+
+
+def test_runs_pair_blocks_consecutive_on_both_sides():
+    from prefixd.client.vllm.block_transfer import runs
+
+    assert runs([4, 5, 6, 9, 10], [20, 21, 30, 31, 32]) == [(4, 20, 2), (6, 30, 1), (9, 31, 2)]
+    assert runs([], []) == []

@@ -5,10 +5,12 @@
 the session's mapped device pool ``[num_slots, num_layers, 2, block_size, num_kv_heads,
 head_dim]``. vLLM block ``block_ids[i]`` pairs with prefixd slot ``slots[i]``.
 
-NOTE: one gather and one scatter per layer, whatever the number of blocks (an indexed copy),
-rather than one copy per block: a 2k-token prompt of a 30-layer model is then 60 ops, not
-thousands. Nothing here checks who may write what; the worker side checks the lease and the
-daemon's epoch around each call (a mapped store cannot see a restart by itself).
+NOTE: one ``copy_`` per layer per run of blocks consecutive on both sides (vLLM hands out
+consecutive block ids to a new prompt and the daemon consecutive slots, so a prompt is
+usually one run). A strided ``copy_`` does the [heads, rows] -> [rows, heads] transpose in one
+pass; indexed copies (``index_put_`` of a gathered batch) took 2-3x longer for 5 SmolLM2 blocks
+(14.7 MB) on the dev host. Nothing here checks who may write what; the worker side checks
+the lease and the daemon's epoch around each call (a mapped store cannot see a restart).
 """
 
 from __future__ import annotations
@@ -16,8 +18,15 @@ from __future__ import annotations
 import torch
 
 
-def _index(ids, device) -> torch.Tensor:
-    return torch.as_tensor(list(ids), dtype=torch.long, device=device)
+def runs(block_ids, slots) -> list[tuple[int, int, int]]:
+    """``(first block id, first slot, length)`` of each run where both go up by one."""
+    out: list[tuple[int, int, int]] = []
+    for b, s in zip(block_ids, slots):
+        if out and b == out[-1][0] + out[-1][2] and s == out[-1][1] + out[-1][2]:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((b, s, 1))
+    return out
 
 
 def check_pair(pool: torch.Tensor, views, block_ids, slots) -> None:
@@ -38,9 +47,10 @@ def load_blocks(pool: torch.Tensor, views, block_ids, slots) -> None:
     if not block_ids:
         return
     check_pair(pool, views, block_ids, slots)
-    src = _index(slots, pool.device)
+    spans = runs(block_ids, slots)
     for layer, view in enumerate(views):
-        view[_index(block_ids, view.device)] = pool[src, layer].to(view.device)
+        for b, s, k in spans:
+            view[b:b + k].copy_(pool[s:s + k, layer])
 
 
 def save_blocks(pool: torch.Tensor, views, block_ids, slots) -> None:
@@ -48,6 +58,7 @@ def save_blocks(pool: torch.Tensor, views, block_ids, slots) -> None:
     if not block_ids:
         return
     check_pair(pool, views, block_ids, slots)
-    dst = _index(slots, pool.device)
+    spans = runs(block_ids, slots)
     for layer, view in enumerate(views):
-        pool[dst, layer] = view[_index(block_ids, view.device)].to(pool.device)
+        for b, s, k in spans:
+            pool[s:s + k, layer].copy_(view[b:b + k])

@@ -108,6 +108,7 @@ class SchedulerSide:
         self._matched: dict[str, tuple[int, int]] = {}
         self._tracked: dict[str, Tracked] = {}
         self._parked: dict[str, Tracked] = {}
+        self._orphans: list = []  # sequences whose release the daemon did not take (yet)
 
     # -- vLLM's calls, in order ------------------------------------------------------------
 
@@ -131,13 +132,12 @@ class SchedulerSide:
         t = self._tracked.get(req_id)
         if t is None:
             t = self._tracked[req_id] = self._open(req_id, prompt)
-        start, promised = self._matched.pop(req_id, (0, 0))
+        start, _ = self._matched.pop(req_id, (0, 0))  # vLLM may trim the hit: take its count
         if num_external > 0:
             t.match_start, t.load_tokens = start, num_external
             if not t.hit_tokens:
                 t.hit_tokens = num_external
                 self.stats.hit_tokens += num_external
-        del promised  # vLLM may have trimmed it; ``num_external`` is what it will skip
 
     def build_plan(self, new_reqs, cached_reqs, num_scheduled: dict) -> StepPlan:
         """This step's copies.
@@ -148,6 +148,8 @@ class SchedulerSide:
                 num_computed_tokens)`` of the others (a resumed one's ids replace its list).
             num_scheduled: req id -> tokens computed in this step.
         """
+        if self._orphans:
+            self._release_orphans()
         plan = StepPlan(epoch=self.link.epoch())
         for req_id, block_ids, num_computed in new_reqs:
             t = self._tracked.get(req_id)
@@ -198,6 +200,7 @@ class SchedulerSide:
             self._release(t)
         self._parked.clear()
         self._tracked.clear()
+        self._release_orphans()
         self.link.close()
 
     # -- helpers ---------------------------------------------------------------------------
@@ -247,9 +250,11 @@ class SchedulerSide:
             commit = t.complete() and t.epoch == self.link.epoch()
             committed = self.link.call("release", lambda s: s.release(t.seq, commit=commit,
                                                                       durability=self.durability) or commit, False)
-            if not committed and not t.seq.released:
+            if not committed and _held(t.seq):
                 # a refused commit, or the daemon restarted under it: do not leave a pin behind
                 self.link.call("release", lambda s: s.release(t.seq))
+            if _held(t.seq):  # the daemon is down: the next steps try again
+                self._orphans.append(t.seq)
         if committed:
             self.stats.committed += 1
         else:
@@ -257,9 +262,23 @@ class SchedulerSide:
         requests_log.info("prefixd request=%s prompt_tokens=%d external_hit_tokens=%d saved_blocks=%d "
                           "committed=%s", t.req_id, t.num_prompt_tokens, t.hit_tokens, t.confirmed, committed)
 
+    def _release_orphans(self) -> None:
+        """Release the sequences an outage kept (after a restart the library reclaimed them:
+        the first call naming one raises DaemonRestarted, answered as a miss, the next works)."""
+        for seq in list(self._orphans):
+            if _held(seq):
+                self.link.call("release", lambda s: s.release(seq))
+            if not _held(seq):
+                self._orphans.remove(seq)
+
     def check_invariants(self) -> None:
         assert not set(self._tracked) & set(self._parked), (set(self._tracked) & set(self._parked))
         for t in [*self._tracked.values(), *self._parked.values()]:
             assert t.save_from <= t.save_to, t
             assert 0 <= t.confirmed <= t.planned_blocks <= t.save_to - t.save_from, t
         self.link.check_invariants()
+
+
+def _held(seq) -> bool:
+    """The session still holds ``seq`` (neither released nor lost in a restart)."""
+    return not seq.released and not getattr(seq, "lost", False)
