@@ -89,7 +89,7 @@ class RemoteStore:
         """
         for block in blocks:
             check_block(block)
-        if not blocks:
+        if not blocks or self._links.closed:
             return 0
         keys = [self.key(b.block_hash) for b in blocks]
         owners = self._links.nodes_of(keys)
@@ -159,7 +159,7 @@ class RemoteStore:
         for h in hashes:
             if len(h) != HASH_BYTES:
                 raise ValueError(f"block hashes must be {HASH_BYTES} bytes, got {len(h)}")
-        if not hashes:
+        if not hashes or self._links.closed:
             return []
         keys = [self.key(h) for h in hashes]
         owners = self._links.nodes_of(keys)

@@ -144,7 +144,7 @@ class ClusterLinks:
         now = time.monotonic()
         if now < self._map_retry_at:
             return
-        known = list(dict.fromkeys(self.startup + sorted(set(self._slots or ()))))
+        known = list(dict.fromkeys(self.startup + sorted(set(self._slots or ()) - {""})))
         last: BaseException | None = None
         for node in known:
             if self.is_down(node, now):
@@ -255,6 +255,10 @@ class ClusterLinks:
                 conn.disconnect()
                 out[node] = NodeFailure(node, e, isinstance(e, RedisTimeoutError))
         return out  # type: ignore[return-value]
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
         self._closed = True

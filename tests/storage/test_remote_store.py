@@ -302,3 +302,16 @@ def test_restarted_node_is_used_at_once_by_connections_idle_through_the_outage(r
     finally:
         writer.shutdown()
         store.close()
+
+
+def test_closed_store_answers_misses_and_skips_writes(redis_cluster, caplog):  # noqa: F811
+    """After close (an engine shutting down while its writer drains), calls neither raise nor
+    report the cluster down."""
+    store = RemoteStore(redis_cluster.nodes, NS, timeout_s=0.5)
+    blocks = chain(3)
+    assert store.put(blocks) == 3
+    store.close()
+    caplog.set_level(logging.WARNING, logger="prefixd.storage.remote_nodes")
+    assert store.put(blocks) == 0
+    assert ask(store, blocks) == []
+    assert not caplog.records
