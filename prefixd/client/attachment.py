@@ -84,7 +84,7 @@ class Attachment:
         try:
             # A socket that is there but refuses is a daemon starting or recovering: wait for it.
             # No socket at all is no daemon: fail at once.
-            self._attach(retry=reconnect and os.path.exists(self.socket_path))
+            self._adopt(self._attach_rpc(retry=reconnect and os.path.exists(self.socket_path)))
         except BaseException:
             self._channel.close()
             raise
@@ -147,8 +147,8 @@ class Attachment:
         self._channel = grpc.insecure_channel("unix:" + self.socket_path, options=_CHANNEL_OPTIONS)
         self._stub = KVStub(self._channel)  # the generated stub; WriteKV takes encoded chunks
 
-    def _attach(self, *, retry: bool) -> None:
-        """Attach (with backoff while UNAVAILABLE when ``retry``), map the pools, start the lease."""
+    def _attach_rpc(self, *, retry: bool) -> pb.AttachReply:
+        """Attach (with backoff while UNAVAILABLE when ``retry``); nothing of it is used yet."""
         request = pb.AttachRequest(client_name=self.name, layout=pb.KVLayout(**_layout_fields(self.layout)))
         waits = self._backoff.waits()
         while True:
@@ -162,6 +162,10 @@ class Attachment:
                 raise err
             log.debug("attach unavailable, retrying in %.3f s error=%s", wait, err)
             time.sleep(wait)  # the channel reconnects by itself (_CHANNEL_OPTIONS' backoff)
+        return reply
+
+    def _adopt(self, reply: pb.AttachReply) -> None:
+        """Make an Attach reply this attachment's session: map the pools, start the lease."""
         self.id = reply.session_id
         self.epoch = reply.epoch
         self.tenant = reply.tenant
@@ -229,9 +233,15 @@ class Attachment:
             # a recovery that re-attached but failed before its Reclaim answered.
             previous = self._reclaim_from or self.id
             self._reclaim_from = previous
-            self._attach(retry=True)
+            # NOTE: the new session is used (``self.id``, the pool, the lease) only once its
+            # Reclaim is applied to the handles. Made visible at Attach, a call on another
+            # thread opened a sequence in it during the Reclaim, which the recovery then marked
+            # lost (or never reclaimed: the client waited on it), and a mapped store passed the
+            # lease check with a handle still holding the old daemon's block table.
+            attached = self._attach_rpc(retry=True)
             try:
-                reply = self._stub.Reclaim(pb.ReclaimRequest(session_id=self.id, previous_session_id=previous),
+                reply = self._stub.Reclaim(pb.ReclaimRequest(session_id=attached.session_id,
+                                                             previous_session_id=previous),
                                            timeout=self._timeout)
             except grpc.RpcError as exc:
                 err = from_rpc_error(exc)
@@ -242,6 +252,7 @@ class Attachment:
                 reply = pb.ReclaimReply()
             self._reclaim_from = 0
             handles = apply_reclaim(self._live, reply, self.layout.block_size)
+            self._adopt(attached)
             for seq_id in unknown_reclaimed(self._live, reply):
                 self._release_quietly(seq_id)
             self._last_reclaimed = handles
@@ -285,13 +296,14 @@ class Attachment:
         changed raises DaemonRestarted instead of being used.
         """
         ka = self._keepalive
-        if ka is not None and ka.lost is None:
-            return
-        gen = self._generation
-        if not self._reconnect:
-            raise NotFound(f"session {self.id:#x} lost its keep-alive stream (daemon restarted or lease "
-                           f"lapsed): connect again")
-        self._recover(gen)
+        if ka is None or ka.lost is not None:
+            gen = self._generation
+            if not self._reconnect:
+                raise NotFound(f"session {self.id:#x} lost its keep-alive stream (daemon restarted or lease "
+                               f"lapsed): connect again")
+            self._recover(gen)
+        # a recovery (this one, or one that ended on another thread since the caller checked
+        # the handles) may have cut them: the store must not go through the new block tables
         for seq in seqs:
             seq.check_live()
 
