@@ -1,10 +1,11 @@
 """The client library's recovery against calls on other threads, with a real daemon killed
 (SIGKILL) and restarted on the same state: the races the kill -9 soak's client-library variant
 (tests/crash/test_daemon_kill9.py) found, each made deterministic by holding the recovery at
-one rpc."""
+one rpc or by restarting the daemon at one point of a call."""
 
 import threading
 
+import pytest
 import torch
 
 import prefixd.client as pc
@@ -65,4 +66,36 @@ def test_a_call_during_the_reclaim_waits_for_it_instead_of_using_the_new_session
         assert held.reclaimed and len(held) == 8
         s.write_kv(fresh, 0, kv(9, 2))
         s.release(fresh, commit=True)
+        s.check_invariants()
+
+
+def test_a_mapped_store_checks_its_handle_again_after_a_recovery_on_another_thread():
+    """Bug: a mapped store checked its handle, then the lease; a recovery that ended on the
+    keep-alive's thread between the two (the daemon died and came back) left the lease held
+    and the handle cut back to its committed blocks, and the store went on through the new
+    block table with the range checked against the old length. It must raise DaemonRestarted.
+    """
+    with start_daemon() as d, pc.connect(d.socket, LAYOUT, name="race", mapped=True) as s:
+        seq = s.open(list(range(100, 110)))
+        s.write_kv(seq, 0, kv(10, 1))
+        s.commit(seq)
+        check_range = s._check_range
+
+        def restart_between_the_checks(*args):
+            check_range(*args)  # the handle's checks passed: now the daemon dies and comes back
+            del s._check_range
+            d.kill()
+            d.start()
+            for _ in range(600):
+                if s.recoveries and s.lease_held:
+                    break
+                threading.Event().wait(0.1)
+            assert s.recoveries == 1 and seq.reclaimed and len(seq) == 8
+
+        s._check_range = restart_between_the_checks
+        with pytest.raises(pc.DaemonRestarted):
+            s.write_kv(seq, 8, kv(2, 2))
+        s.extend(seq, [108, 109])
+        s.write_kv(seq, 8, kv(2, 2))
+        assert torch.equal(s.read_kv(seq, 0, 10)[:, :, :8], kv(10, 1)[:, :, :8])
         s.check_invariants()
