@@ -127,6 +127,24 @@ class ClusterTier:
         bb = self.cache.block_bytes
         return chain_hashes(namespace_hash(self.root, extra), bytes(tokens[:num_blocks * bb]), bb)
 
+    # -- the engine's calls ----------------------------------------------------------------------
+
+    def open(self, tokens, extra: bytes = b""):
+        """``PrefixCache.open`` with the cluster: promote the run past the local match first,
+        and offer what the open's hits selected (``hits>=N``)."""
+        self.promote(tokens, extra)
+        seq = self.cache.open(tokens, extra)
+        self.after_open(seq)
+        return seq
+
+    def fork(self, seq_id: int, num_children: int):
+        """``PrefixCache.fork``, offering the parent's blocks the fork indexed."""
+        indexed = self.cache.sequence(seq_id).num_indexed
+        children = self.cache.fork(seq_id, num_children)
+        seq = self.cache.sequence(seq_id)
+        self.after_commit(seq, "index", seq.num_indexed - indexed)
+        return children
+
     # -- write-behind --------------------------------------------------------------------------
 
     def after_commit(self, seq, durability: str, added: int) -> None:

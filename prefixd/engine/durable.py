@@ -151,11 +151,8 @@ class DurableCache:
     @_poison_on_storage_error
     def open(self, tokens, extra: bytes = b"", *, session_id: int = 0):
         self._expire_if_due()
-        if self.cluster is not None:  # a run past the local match, fetched and indexed first
-            self.cluster.promote(tokens, extra)
-        seq = self.cache.open(tokens, extra)
-        if self.cluster is not None:
-            self.cluster.after_open(seq)
+        cluster = self.cluster  # with a cluster tier: a run past the local match promoted first
+        seq = self.cache.open(tokens, extra) if cluster is None else cluster.open(tokens, extra)
         self._sessions[seq.id] = session_id
         self._log(session_id)
         return seq
@@ -170,11 +167,9 @@ class DurableCache:
     @_poison_on_storage_error
     def fork(self, seq_id: int, num_children: int):
         self._expire_if_due()
-        indexed = self.cache.sequence(seq_id).num_indexed
-        children = self.cache.fork(seq_id, num_children)
-        if self.cluster is not None:  # fork indexes the parent's full blocks
-            seq = self.cache.sequence(seq_id)
-            self.cluster.after_commit(seq, "index", seq.num_indexed - indexed)
+        cluster = self.cluster  # fork indexes the parent's full blocks: the policy sees them
+        children = (self.cache.fork(seq_id, num_children) if cluster is None
+                    else cluster.fork(seq_id, num_children))
         session = self._sessions.get(seq_id, 0)
         for child in children:
             self._sessions[child.id] = session

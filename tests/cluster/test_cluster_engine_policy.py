@@ -334,3 +334,20 @@ def test_the_daemons_stats_and_metrics_show_the_cluster_counters(tmp_path, fake)
     finally:
         first.close()
         second.close()
+
+
+def test_a_fork_offers_the_blocks_it_indexed(tmp_path, fake):
+    engine, dc = _pool(tmp_path)
+    try:
+        tokens = prompt(13)
+        seq = dc.open(tokens)
+        rows = dc.store.pool(Tier.DEVICE).raw.numpy()
+        for i in range(10):
+            rows[seq.block_table[i]] = kv_of(tokens, i)
+        children = dc.fork(seq.id, 2)
+        assert dc.cluster.drain() and len(fake.values) == 10
+        for s in [seq, *children]:
+            dc.release(s.id)
+        dc.check_invariants()
+    finally:
+        engine.close()
