@@ -9,6 +9,7 @@ import re
 
 from prefixd.daemon.sessions import Limits
 from prefixd.daemon.settings import DaemonConfig, EventsConfig, MetricsConfig, TenantSocket, load
+from prefixd.engine.cluster_config import ClusterConfig
 from prefixd.engine.config import EngineConfig, TierSizes
 
 SAMPLE = pathlib.Path(__file__).resolve().parents[2] / "systemd" / "prefixd.toml"
@@ -17,7 +18,7 @@ SAMPLE = pathlib.Path(__file__).resolve().parents[2] / "systemd" / "prefixd.toml
 SPELLED = {"model_blocks": "[engine.blocks.models.", "blocks": "[engine.blocks]",
            "tenants": "[[engine.tenants]]", "limits": "[daemon.limits]",
            "sockets": "[[daemon.sockets]]", "metrics": "[daemon.metrics]",
-           "events": "[daemon.events]"}
+           "events": "[daemon.events]", "cluster": "[engine.cluster]"}
 
 
 def test_sample_config_loads_and_equals_the_defaults():
@@ -32,7 +33,7 @@ def test_sample_config_names_every_setting():
     text = SAMPLE.read_text()
     missing = []
     for cls in (EngineConfig, TierSizes, DaemonConfig, Limits, TenantSocket, MetricsConfig,
-                EventsConfig):
+                EventsConfig, ClusterConfig):
         for field in dataclasses.fields(cls):
             spelled = SPELLED.get(field.name)
             if spelled is not None:
