@@ -1,0 +1,95 @@
+"""The connector's worker side against a real daemon (main venv: tensors shaped like vLLM's
+CPU_ATTN ones, no vLLM): saves into the mapped pool, loads back, and a daemon kill -9 in
+between turns copies into misses until both sessions are on the new daemon."""
+
+import time
+
+import pytest
+import torch
+
+from prefixd.api.layout import KVLayout
+from prefixd.client import connect
+from prefixd.client.vllm.daemon_link import DaemonLink
+from prefixd.client.vllm.metadata import StepPlan, Transfer
+from prefixd.client.vllm.worker import WorkerSide
+from tests.daemon.harness import start_daemon
+
+L, H, D, BS, B = 2, 2, 16, 32, 8
+LAYOUT = KVLayout("connector-worker", L, H, D, "bfloat16", BS)
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
+
+
+def _tensors(seed=None):
+    if seed is None:
+        return {n: torch.zeros(B, H, BS, 2 * D, dtype=torch.bfloat16) for n in NAMES}
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(B, H, BS, 2 * D, generator=g).to(torch.bfloat16) for n in NAMES}
+
+
+def _worker(socket, tensors):
+    link = DaemonLink(socket, LAYOUT, "test-worker", mapped=True, timeout_s=5, retry_s=0.2)
+    w = WorkerSide(link, NAMES, num_kv_heads=H, head_dim=D, block_size=BS)
+    assert w.register(tensors, {n: "CPU_ATTN" for n in NAMES})
+    return w
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    with start_daemon(lease_s=3.0) as d:
+        yield d
+
+
+def test_saved_blocks_load_back_into_other_blocks(daemon):
+    tokens = list(range(1000, 1000 + 2 * BS + 3))
+    src, dst = _tensors(1), _tensors()
+    with connect(daemon.socket, LAYOUT, mapped=False) as s:
+        seq = s.open(tokens)
+        w = _worker(daemon.socket, src)
+        w.save(StepPlan(epoch=s.epoch, saves=[Transfer("r", (6, 3), tuple(seq.block_table[:2]))]))
+        assert w.take_report().saved == {"r": 2}
+        s.release(seq, commit=True)
+        seq2 = s.open(tokens)
+        assert seq2.cached_tokens == 2 * BS
+        w2 = _worker(daemon.socket, dst)
+        w2.load(StepPlan(epoch=s.epoch, loads=[Transfer("q", (0, 1), tuple(seq2.block_table[:2]))]))
+        assert w2.take_load_errors() == set()
+        for n in NAMES:
+            assert torch.equal(dst[n][0], src[n][6]) and torch.equal(dst[n][1], src[n][3])
+            assert dst[n][2:].eq(0).all()
+        w.check_invariants()
+        w.close()
+        w2.close()
+
+
+def test_copies_under_a_dead_daemons_epoch_are_misses_until_both_sessions_recover(daemon):
+    """Regression: the worker makes no daemon call of its own, so after a daemon restart its
+    session stayed on the dead lease (the library's background reconnect gave up within the
+    connector's short backoff) and every later copy was a miss; a lost lease now makes the
+    worker call the daemon, which recovers the session."""
+    tokens = list(range(5000, 5000 + 2 * BS + 1))
+    src = _tensors(2)
+    with connect(daemon.socket, LAYOUT, mapped=False) as s:
+        w = _worker(daemon.socket, src)
+        seq = s.open(tokens)
+        old_epoch = s.epoch
+        daemon.kill()
+        daemon.restart()
+        # the old epoch's slots are never copied through, whatever the sessions know yet
+        w.save(StepPlan(epoch=old_epoch, saves=[Transfer("r", (0,), (seq.block_table[0],))]))
+        w.load(StepPlan(epoch=old_epoch, loads=[Transfer("r", (1,), (seq.block_table[0],))]))
+        assert w.take_report().failed == {"r"}
+        assert w.take_load_errors() == {1}
+        s.lookup(tokens)  # the scheduler's session recovers on its next call
+        assert s.epoch != old_epoch
+        seq = s.open(tokens)
+        deadline = time.monotonic() + 30
+        while True:  # the worker's link skips calls for retry_s after the failures above
+            w.save(StepPlan(epoch=s.epoch, saves=[Transfer("r", (0, 1), tuple(seq.block_table[:2]))]))
+            report = w.take_report()
+            if report.saved == {"r": 2} or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+        assert report.saved == {"r": 2}
+        s.release(seq, commit=True)
+        assert s.open(tokens).cached_tokens == 2 * BS
+        w.close()
