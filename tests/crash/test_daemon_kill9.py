@@ -295,10 +295,6 @@ def test_kill_9_of_the_daemon_under_8_clients_loses_no_acknowledged_commit(capsy
 
 @pytest.mark.soak
 @pytest.mark.timeout(3600)
-@pytest.mark.xfail(reason="prefixd.client under repeated kill -9: a recovery closes the channel "
-                          "under a concurrent call (ValueError 'Cannot invoke RPC on closed "
-                          "channel'), and a client stalled after a reconnect whose session ended "
-                          "as its keep-alive stream ended; see the issue-11 report", strict=False)
 def test_kill_9_of_the_daemon_under_clients_of_the_client_library_soak(capsys):
     """Half the clients through ``prefixd.client`` (``tests.daemon.lib_load``): its mapped KV,
     its own reconnect and Reclaim; the sequence a client held must come back ``reclaimed`` with
