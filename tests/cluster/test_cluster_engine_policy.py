@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from prefixd.api.tiers import Tier
+from prefixd.cache.errors import OutOfBlocks
 from prefixd.engine import EngineConfig, TierSizes
 from prefixd.engine import cluster_tier
 from prefixd.engine.cluster_config import ClusterConfig
@@ -351,3 +352,28 @@ def test_a_fork_offers_the_blocks_it_indexed(tmp_path, fake):
         dc.check_invariants()
     finally:
         engine.close()
+
+
+def test_a_promotion_without_device_room_changes_nothing(tmp_path, fake):
+    """The helper sequence is refused like any open (nothing allocated, nothing counted); the
+    client's own open then gets the same answer it would get without a cluster."""
+    first, a = _pool(tmp_path, "a")
+    second, b = _pool(tmp_path, "b")
+    try:
+        tokens = prompt(14)
+        serve(a, tokens)
+        assert a.cluster.drain()
+        held = [b.open(prompt(100 + i, 14)) for i in range(4)]  # 60 of 64 device blocks pinned
+        free, opens = b.cache.allocators[Tier.DEVICE].num_free, b.cache.stats.opens
+        with pytest.raises(OutOfBlocks):
+            b.open(tokens)
+        assert b.cluster.stats()["promote_refused"] == 1
+        assert b.cache.allocators[Tier.DEVICE].num_free == free
+        assert b.cache.stats.opens == opens
+        b.check_invariants()
+        for seq in held:
+            b.release(seq.id)
+        assert served(b, tokens) == (10 * BS, 0)  # room again: promoted
+    finally:
+        first.close()
+        second.close()
