@@ -216,6 +216,7 @@ def fetch(cluster: RedisCluster, reps: int, work: str, prefix_tokens: int = PREF
         "store.get_run_vs_floor": round(med(g / f for g, f in zip(get_run, best_floor)), 3),
         "remote.fetch_vs_floor": round(med(o / f for o, f in zip(opened, best_floor)), 3),
         "remote.fetch_ms": round(med(times["open"]) * 1e3, 1),
+        "store.get_run_ms": round(med(times["get_run"]) * 1e3, 1),
         "floor.mget_ms": round(med(times["floor"]) * 1e3, 1),
     }
 
@@ -282,9 +283,11 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="prefixd-bench-cluster-", dir="/var/tmp")
     try:
         with RedisCluster(nodes=3, maxmemory="512mb") as cluster:
+            load_before = os.getloadavg()[0]
             out = {"bench": "cluster", "nodes": 3, "timeout_ms": TIMEOUT_MS,
                    "fetch": fetch(cluster, args.reps, work, args.prefix_tokens),
-                   "hit_rate": hit_rate(cluster, args.groups, args.prompts, work)}
+                   "hit_rate": hit_rate(cluster, args.groups, args.prompts, work),
+                   "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(out, indent=2 if not args.json else None))
