@@ -46,7 +46,8 @@ def _child(*args, timeout: float = 900.0) -> tuple[dict, str]:
     proc = subprocess.run([VLLM_PYTHON, str(CHILD), *args], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=str(ROOT))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"child failed rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0 and lines, (f"child failed rc={proc.returncode}\n{proc.stdout[-3000:]}\n"
+                                            f"{proc.stderr[-6000:]}")
     return json.loads(lines[-1][len("RESULT "):]), proc.stderr
 
 
