@@ -190,7 +190,7 @@ class ClusterTier:
         out = []
         for i in range(first, end):
             out.append(RemoteBlock(hashes[i], hashes[i - 1] if i else parent,
-                             bytes(tokens[i * bb:(i + 1) * bb]), kv[i - first]))
+                                   bytes(tokens[i * bb:(i + 1) * bb]), kv[i - first]))
         self.writer.offer(out)
 
     def _remember(self, local_hash: bytes) -> None:
@@ -302,13 +302,20 @@ class ClusterTier:
     # -- the rest ------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
-        """Counters for the daemon's Stats and metrics (the store's own counters included,
-        prefixed ``remote_``)."""
+        """Counters for the daemon's Stats and metrics, all monotonic.
+
+        ``fetches`` opens that asked the cluster; ``fetch_errors`` asks that raised;
+        ``remote_hit_blocks`` / ``remote_hit_tokens`` promoted from the cluster (also part of
+        the cache's ``hit_tokens``); ``bad_blocks`` returned blocks this side refused;
+        ``promote_refused`` runs found but not indexed (no device room, a local block cut);
+        ``offered_blocks`` / ``dropped_blocks`` / ``written_blocks`` / ``write_errors`` the
+        write-behind (``ClusterWriter``); ``remote_<name>`` the store's own
+        (``RemoteStore.stats``: hits, misses, corrupt, timeouts, skipped_down, ...)."""
         w = self.writer
         out = {"fetches": self.fetches, "fetch_errors": self.fetch_errors,
                "remote_hit_blocks": self.remote_hit_blocks,
                "remote_hit_tokens": self.remote_hit_tokens, "bad_blocks": self.bad_blocks,
-               "promote_refused": self.promote_refused, "queued_blocks": w.offered_blocks,
+               "promote_refused": self.promote_refused, "offered_blocks": w.offered_blocks,
                "dropped_blocks": w.dropped_blocks, "written_blocks": w.written_blocks,
                "write_errors": w.write_errors}
         try:

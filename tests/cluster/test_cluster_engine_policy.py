@@ -167,7 +167,7 @@ def test_a_full_queue_drops_and_counts_and_never_blocks_the_engine(tmp_path, fak
             serve(dc, prompt(seed, 2))  # every commit returns while the writer is stuck
         stats = dc.cluster.stats()
         assert stats["dropped_blocks"] >= 12 - 2 - 3  # one batch in put, 3 blocks queued
-        assert stats["queued_blocks"] == 12
+        assert stats["offered_blocks"] == 12
         fake.gate.set()
         assert dc.cluster.drain()
         stats = dc.cluster.stats()
@@ -303,7 +303,7 @@ def test_every_committed_block_is_offered_even_when_the_commit_forces_a_reclaim(
             serve(dc, prompt(seed))
         assert dc.forced_reclaims > 0  # the case this is about did happen
         assert dc.cluster.drain()
-        assert dc.cluster.stats()["queued_blocks"] == 200
+        assert dc.cluster.stats()["offered_blocks"] == 200
         assert len(fake.values) == 200
         dc.check_invariants()
     finally:
