@@ -8,7 +8,6 @@ import threading
 import time
 import types
 
-import numpy as np
 import pytest
 
 from prefixd.api.tiers import Tier
