@@ -219,3 +219,12 @@ def test_a_release_the_daemon_missed_is_retried_when_it_answers():
     side.build_plan([], [], {})
     assert len(session.released) == 1
     side.check_invariants()
+
+
+def test_a_prompt_shorter_than_a_block_costs_no_daemon_call():
+    session = FakeSession()
+    side = _side(session)
+    _admit(side, "r", list(range(BS - 1)))
+    assert side.build_plan([("r", [1], 0)], [], {"r": BS - 1}).empty()
+    side.finished("r")
+    assert side.link.stats.calls == 0 and session.released == []

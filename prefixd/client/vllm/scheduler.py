@@ -209,6 +209,8 @@ class SchedulerSide:
         bs = self.block_size
         t = Tracked(req_id, len(prompt))
         self.stats.requests += 1
+        if len(prompt) < bs:
+            return t  # no full block: nothing to load or save, no rpc
         seq = self.link.call("open", lambda s: s.open(prompt))
         if seq is not None:
             t.seq, t.epoch = seq, self.link.epoch()
