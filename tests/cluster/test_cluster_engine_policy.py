@@ -2,6 +2,7 @@
 queue, failures as misses, counters, config. A dict stands in for the cluster (``FakeStore``)."""
 
 import dataclasses
+import pathlib
 import subprocess
 import sys
 import threading
@@ -262,7 +263,9 @@ assert not [t for t in threading.enumerate() if "cluster" in t.name]
 engine.close()
 print("ok")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    root = pathlib.Path(__file__).resolve().parents[2]  # ``tests`` importable from the child
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=root)
     assert out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
