@@ -31,6 +31,7 @@ class FakeSession:
         self.epoch = epoch
         self.down = False
         self.released = []
+        self.committed = []
         self.next_slot = 100
         self.closed = False
 
@@ -55,6 +56,11 @@ class FakeSession:
         self._check()
         seq.released = True
         self.released.append((seq, commit, durability))
+
+    def commit(self, seq, durability="crash"):
+        self._check()
+        self.committed.append((seq, durability))
+        return 1
 
     def close(self):
         self.closed = True
@@ -94,8 +100,10 @@ def test_plan_loads_the_hit_then_saves_the_new_full_blocks():
     assert plan.loads == []
     assert [(t.block_ids, t.slots) for t in plan.saves] == [((10,), (103,))]
     side.on_report(SaveReport({"r": 2}))
+    assert [d for _, d in session.committed] == ["crash"]  # shareable before the request ends
     side.finished("r")
-    assert [(c, d) for _, c, d in session.released] == [(True, "crash")]
+    assert [c for _, c, _ in session.released] == [False]
+    assert side.stats.committed == 1
     side.check_invariants()
 
 
@@ -228,3 +236,18 @@ def test_a_prompt_shorter_than_a_block_costs_no_daemon_call():
     assert side.build_plan([("r", [1], 0)], [], {"r": BS - 1}).empty()
     side.finished("r")
     assert side.link.stats.calls == 0 and session.released == []
+
+
+def test_a_prompt_is_committed_once_saved_not_when_the_request_ends():
+    """Another vLLM sending the same prompt while this one decodes must hit it: the report
+    that completes the prompt's saves commits it; the release at the end does not again."""
+    session = FakeSession()
+    side = _side(session, durability="power")
+    _admit(side, "r", list(range(2 * BS + 1)))
+    side.build_plan([("r", [1, 2, 3], 0)], [], {"r": 2 * BS + 1})
+    side.on_report(SaveReport({"r": 2}))
+    assert [d for _, d in session.committed] == ["power"] and session.released == []
+    side.build_plan([], [("r", [4], False, 2 * BS + 1)], {"r": 1})  # decoding
+    side.on_report(SaveReport())
+    side.finished("r")
+    assert len(session.committed) == 1 and [c for _, c, _ in session.released] == [False]

@@ -61,6 +61,41 @@ def test_saved_blocks_load_back_into_other_blocks(daemon):
         w2.close()
 
 
+def test_two_connectors_share_a_prompt_while_the_first_still_decodes(daemon):
+    """Both halves over the real daemon: vLLM A computes a prompt, its saves commit it at once;
+    vLLM B (its own sessions) asks while A's request is still running and loads A's blocks."""
+    from prefixd.client.vllm.scheduler import SchedulerSide
+
+    def scheduler(name):
+        return SchedulerSide(DaemonLink(daemon.socket, LAYOUT, name, mapped=False, timeout_s=5, retry_s=0.2),
+                             BS, "crash")
+
+    prompt = list(range(9000, 9000 + 3 * BS + 7))
+    src, dst = _tensors(3), _tensors()
+    a, wa = scheduler("vllm-a"), _worker(daemon.socket, src)
+    assert a.num_new_matched_tokens("a1", prompt, 0) == 0
+    a.after_alloc("a1", prompt, 0)
+    plan = a.build_plan([("a1", [4, 5, 6, 7], 0)], [], {"a1": len(prompt)})
+    wa.load(plan)
+    wa.save(plan)
+    a.on_report(wa.take_report())
+    b, wb = scheduler("vllm-b"), _worker(daemon.socket, dst)
+    assert b.num_new_matched_tokens("b1", prompt, 0) == 3 * BS
+    b.after_alloc("b1", prompt, 3 * BS)
+    plan = b.build_plan([("b1", [0, 1, 2, 3], 0)], [], {"b1": 7})
+    wb.load(plan)
+    assert wb.take_load_errors() == set() and plan.saves == []
+    for n in NAMES:
+        assert torch.equal(dst[n][0:3], src[n][4:7])
+    for side, req in ((a, "a1"), (b, "b1")):
+        side.finished(req)
+        side.check_invariants()
+        side.shutdown()
+    assert (a.stats.committed, b.stats.hit_tokens) == (1, 3 * BS)
+    wa.close()
+    wb.close()
+
+
 def test_copies_under_a_dead_daemons_epoch_are_misses_until_both_sessions_recover(daemon):
     """Regression: the worker makes no daemon call of its own, so after a daemon restart its
     session stayed on the dead lease (the library's background reconnect gave up within the
@@ -71,12 +106,12 @@ def test_copies_under_a_dead_daemons_epoch_are_misses_until_both_sessions_recove
     with connect(daemon.socket, LAYOUT, mapped=False) as s:
         w = _worker(daemon.socket, src)
         seq = s.open(tokens)
-        old_epoch = s.epoch
+        old_epoch, old_slot = s.epoch, seq.block_table[0]  # a background recovery may clear the handle
         daemon.kill()
         daemon.restart()
         # the old epoch's slots are never copied through, whatever the sessions know yet
-        w.save(StepPlan(epoch=old_epoch, saves=[Transfer("r", (0,), (seq.block_table[0],))]))
-        w.load(StepPlan(epoch=old_epoch, loads=[Transfer("r", (1,), (seq.block_table[0],))]))
+        w.save(StepPlan(epoch=old_epoch, saves=[Transfer("r", (0,), (old_slot,))]))
+        w.load(StepPlan(epoch=old_epoch, loads=[Transfer("r", (1,), (old_slot,))]))
         assert w.take_report().failed == {"r"}
         assert w.take_load_errors() == {1}
         s.lookup(tokens)  # the scheduler's session recovers on its next call

@@ -12,11 +12,12 @@ Per request, in vLLM's order:
    loads and vLLM recomputes them.
 3. ``build_plan`` each step: loads (promised blocks, once) and saves (blocks of the prompt that
    are full after this step and that prefixd does not hold), as vLLM block id <-> prefixd slot.
-4. ``on_report``: the worker's saves of a step, counted per request.
-5. ``finished``: ``Release`` that commits at the configured durability when every full block of
-   the prompt past the cached prefix was saved, else a plain release. vLLM finishes a request
-   before it hands the scheduler that step's worker report, so a request whose saves are not
-   all reported yet is parked and released by the report that completes it.
+4. ``on_report``: the worker's saves of a step, counted per request; the report that
+   completes a prompt (every full block past the cached prefix saved) commits it at the
+   configured durability at once, so that other vLLMs hit it while this one still decodes.
+5. ``finished``: ``Release`` (committing first if the commit is still owed). vLLM finishes a
+   request before it hands the scheduler that step's worker report, so a request whose saves
+   are not all reported yet is parked and released by the report that completes it.
 
 NOTE: only the prompt's blocks are saved, not generated tokens: the prefix cache is for
 prompts (a multi-turn chat's next prompt contains the answer, and its own save covers it).
@@ -66,6 +67,7 @@ class Tracked:
     planned_blocks: int = 0
     confirmed: int = 0
     failed: bool = False
+    committed: bool = False
 
     def saves_settled(self) -> bool:
         return self.failed or self.confirmed >= self.planned_blocks
@@ -179,6 +181,11 @@ class SchedulerSide:
             t = self._tracked.get(req_id) or self._parked.get(req_id)
             if t is not None:
                 t.failed = True
+        epoch = self.link.epoch()
+        for t in self._tracked.values():
+            if not t.committed and t.complete() and t.epoch == epoch:
+                t.committed = bool(self.link.call("commit", lambda s: s.commit(t.seq, durability=self.durability) >= 0,
+                                                  False))
         for req_id in [r for r, t in self._parked.items() if t.saves_settled()]:
             self._release(self._parked.pop(req_id))
 
@@ -247,12 +254,13 @@ class SchedulerSide:
             t.planned = upto
 
     def _release(self, t: Tracked) -> None:
-        committed = False
+        committed = t.committed
         if t.seq is not None:
-            commit = t.complete() and t.epoch == self.link.epoch()
-            committed = self.link.call("release", lambda s: s.release(t.seq, commit=commit,
-                                                                      durability=self.durability) or commit, False)
-            if not committed and _held(t.seq):
+            commit = not t.committed and t.complete() and t.epoch == self.link.epoch()
+            done = self.link.call("release", lambda s: s.release(t.seq, commit=commit,
+                                                                 durability=self.durability) or True, False)
+            committed = committed or (done and commit)
+            if not done and _held(t.seq):
                 # a refused commit, or the daemon restarted under it: do not leave a pin behind
                 self.link.call("release", lambda s: s.release(t.seq))
             if _held(t.seq):  # the daemon is down: the next steps try again
