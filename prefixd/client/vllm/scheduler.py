@@ -171,7 +171,8 @@ class SchedulerSide:
         return plan
 
     def on_report(self, report: SaveReport) -> None:
-        """The worker's saves of one step; releases parked requests they complete."""
+        """The worker's saves of one step: commits the prompts they complete and releases the
+        parked requests they settle."""
         for req_id, n in report.saved.items():
             t = self._tracked.get(req_id) or self._parked.get(req_id)
             if t is not None:
