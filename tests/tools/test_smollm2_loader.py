@@ -37,3 +37,11 @@ def test_a_converted_directory_is_used_as_it_is(monkeypatch, tmp_path):
     monkeypatch.setattr(smollm2, "gguf_path", no_gguf)
     assert smollm2.is_converted(tmp_path)
     assert smollm2.convert(tmp_path) == target
+
+
+def test_main_prints_the_model_directory_alone_on_stdout(monkeypatch, tmp_path, capsys):
+    """``make vllm-venv`` keeps the directory vLLM loads from this command's stdout; the
+    command used to log it to stderr only, which left the file empty."""
+    monkeypatch.setattr(smollm2, "convert", lambda root=None: tmp_path / "model")
+    assert smollm2.main([]) == 0
+    assert capsys.readouterr().out == f"{tmp_path / 'model'}\n"
