@@ -33,7 +33,6 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Mapping, Sequence
 
-import numpy as np
 import torch
 
 from prefixd.api.layout import KVLayout
@@ -43,6 +42,7 @@ from prefixd.storage import checksum, movement
 from prefixd.storage.movement import CopyResult, Staging
 from prefixd.storage.pools import DiskPool, TensorPool
 from prefixd.storage.slots import SlotAllocator
+from prefixd.storage.spill_buffers import SpillBuffers
 from prefixd.storage.write_behind import DiskWriter
 
 log = logging.getLogger(__name__)
@@ -129,6 +129,7 @@ class TierStore:
         self._staging = Staging(layout.block_bytes, pin=cuda) if Tier.DISK in self._pools else None
         self.write_behind = False
         self._writer = DiskWriter(self._sync_disk, self._pools[Tier.DISK].path) if Tier.DISK in self._pools else None
+        self._spill_buffers = SpillBuffers(layout.block_bytes) if self._writer is not None else None
         log.info("tier store open name=%s blocks=%s block_bytes=%d", self.name,
                  {t.name: p.num_blocks for t, p in self._pools.items()}, layout.block_bytes)
 
@@ -197,13 +198,14 @@ class TierStore:
                       durable: bool) -> CopyResult:
         """Snapshot and hash the source rows here; the writer thread pwritevs them."""
         n = len(src_slots)
-        if src.rows is not None:
-            rows = np.take(src.rows, src_slots, axis=0)  # one gather: the snapshot
+        if src.rows is not None:  # one gather into a reused buffer: the snapshot
+            rows = self._spill_buffers.take(src.rows, src_slots)
+            job = functools.partial(_write_then_give_back, self._spill_buffers, rows, disk, dst_slots)
         else:  # pragma: no cover - a GPU source; _host_rows is already a copy
             rows = self._host_rows(src, src_slots)
+            job = functools.partial(movement.write_to_disk, rows, range(n), disk, dst_slots, None, False)
         sums = checksum.checksum_rows(rows, range(n))
-        self._writer.submit(functools.partial(movement.write_to_disk, rows, range(n), disk, dst_slots, None,
-                                              False), n * disk.block_bytes)
+        self._writer.submit(job, n * disk.block_bytes)
         if durable:
             self.sync(Tier.DISK)
         return CopyResult(sums, None)
@@ -327,6 +329,7 @@ class TierStore:
             pool.check_invariants()
         if self._writer is not None:
             self._writer.check_invariants()
+            self._spill_buffers.check_invariants()
 
     # ----------------------------------------------------------------------------- helpers
     def _present(self, tier: Tier) -> Tier:
@@ -360,3 +363,10 @@ class TierStore:
     def _close_pools(self) -> None:
         for pool in getattr(self, "_pools", {}).values():
             pool.close()
+
+
+def _write_then_give_back(buffers: SpillBuffers, rows, disk: DiskPool, dst_slots: list[int]) -> None:
+    """The writer thread's job for a snapshot in a ``SpillBuffers`` buffer: write, then hand
+    the buffer back (not on failure: the writer is failed for good and the buffer just goes)."""
+    movement.write_to_disk(rows, range(len(dst_slots)), disk, dst_slots, None, False)
+    buffers.give_back(rows)

@@ -1,0 +1,49 @@
+"""Staging buffers of the disk write-behind: reused across spills, never shared by two queued ones."""
+
+import threading
+
+from prefixd.api.tiers import Tier
+from prefixd.storage.pools import DiskPool
+from tests.storage.conftest import block_data, same_bytes
+
+
+def test_spills_reuse_one_staging_buffer_once_written(make_store):
+    """Each write-behind spill gathered into a fresh ``numpy.take`` array (a page fault per
+    page: the biggest single cost of a cluster promotion into full pools); once its write is
+    done the next spill must gather into the same buffer."""
+    store = make_store(device=8, host=8, disk=8)
+    store.write_behind = True
+    store.write(Tier.HOST, list(range(8)), block_data(store.layout, range(8)))
+    for first in (0, 4, 0, 4):
+        store.copy(Tier.HOST, list(range(first, first + 4)), Tier.DISK, list(range(first, first + 4)))
+        store.sync(Tier.DISK)
+    assert store._spill_buffers.num_allocated == 1
+    assert same_bytes(store.read(Tier.DISK, range(8)), block_data(store.layout, range(8)))
+    store.check_invariants()
+
+
+def test_a_queued_spill_keeps_its_snapshot_while_the_next_one_gathers(make_store, monkeypatch):
+    """A snapshot still queued for the writer must not be the buffer the next spill gathers
+    into (a reused buffer handed out too early would write the second spill's bytes twice)."""
+    store = make_store(device=8, host=8, disk=8)
+    store.write_behind = True
+    store.write(Tier.HOST, list(range(8)), block_data(store.layout, range(8)))
+    gate, entered = threading.Event(), threading.Event()
+    real = DiskPool.write_run
+
+    def held(pool, *args):
+        entered.set()
+        gate.wait()
+        return real(pool, *args)
+
+    monkeypatch.setattr(DiskPool, "write_run", held)
+    try:
+        store.copy(Tier.HOST, [0, 1, 2, 3], Tier.DISK, [0, 1, 2, 3])
+        assert entered.wait(10)
+        store.copy(Tier.HOST, [4, 5, 6, 7], Tier.DISK, [4, 5, 6, 7])
+    finally:
+        gate.set()
+    store.sync(Tier.DISK)
+    assert same_bytes(store.read(Tier.DISK, range(8)), block_data(store.layout, range(8)))
+    assert store._spill_buffers.num_allocated == 2
+    store.check_invariants()
