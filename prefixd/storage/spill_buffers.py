@@ -61,11 +61,9 @@ class SpillBuffers:
 
     def _lend(self, n: int) -> np.ndarray:
         with self._lock:
-            fits = [b for b in self._idle if b.shape[0] >= n]
-            if fits:
-                buf = min(fits, key=lambda b: b.shape[0])
-                self._idle.remove(buf)
-                return buf
+            fits = [i for i, b in enumerate(self._idle) if b.shape[0] >= n]
+            if fits:  # by position: ``list.remove`` compares arrays with ``==``
+                return self._idle.pop(min(fits, key=lambda i: self._idle[i].shape[0]))
             if self._idle and n * self.block_bytes > self.keep_bytes // 2:
                 self._idle.clear()  # too small to serve this size: make room for one that is
         self.num_allocated += 1

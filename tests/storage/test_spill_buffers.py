@@ -47,3 +47,33 @@ def test_a_queued_spill_keeps_its_snapshot_while_the_next_one_gathers(make_store
     assert same_bytes(store.read(Tier.DISK, range(8)), block_data(store.layout, range(8)))
     assert store._spill_buffers.num_allocated == 2
     store.check_invariants()
+
+
+def test_a_spill_takes_the_smallest_idle_buffer_that_fits(make_store, monkeypatch):
+    """With two idle buffers of different sizes, lending one raised ValueError out of every
+    spill (``list.remove`` compared numpy arrays with ``==``): kill -9 workloads died at once."""
+    store = make_store(device=8, host=8, disk=8)
+    store.write_behind = True
+    store.write(Tier.HOST, list(range(8)), block_data(store.layout, range(8)))
+    gate, entered = threading.Event(), threading.Event()
+    real = DiskPool.write_run
+
+    def held(pool, *args):
+        entered.set()
+        gate.wait()
+        return real(pool, *args)
+
+    monkeypatch.setattr(DiskPool, "write_run", held)
+    try:  # two buffers lent at once: 4 blocks and 3 blocks
+        store.copy(Tier.HOST, [0, 1, 2, 3], Tier.DISK, [0, 1, 2, 3])
+        assert entered.wait(10)
+        store.copy(Tier.HOST, [4, 5, 6], Tier.DISK, [4, 5, 6])
+    finally:
+        gate.set()
+    monkeypatch.setattr(DiskPool, "write_run", real)
+    store.sync(Tier.DISK)
+    store.copy(Tier.HOST, [7, 6], Tier.DISK, [7, 6])  # both idle: the 3-block one is lent
+    store.sync(Tier.DISK)
+    assert same_bytes(store.read(Tier.DISK, range(8)), block_data(store.layout, range(8)))
+    assert store._spill_buffers.num_allocated == 2
+    store.check_invariants()
