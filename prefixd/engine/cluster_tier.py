@@ -23,10 +23,17 @@ run after the match in one ``get_run`` (bounded by the store's timeout), and ind
 back exactly as a local commit of those blocks would: a short-lived sequence of the prompt up
 to the end of the run is opened (sharing the local match, allocating device slots with the
 usual allocate-evict-retry), the fetched KV is copied into its private slots, and it is
-committed and released. The records (open, block stored, commit, release) and the write
-policy's copies down are those of any commit, so promoted blocks are durable and survive a
-restart; the caller's own ``open`` that follows then hits them. Any failure of the cluster
+committed and released. The records (open, block stored, commit, release) are those of any
+commit; the caller's own ``open`` that follows then hits them. Any failure of the cluster
 (down, slow, a value that does not verify) is fewer cached tokens, never an error.
+
+NOTE: the helper's commit indexes the run at the device alone (``write_back`` for its
+duration); ``tick`` (the daemon's loop, through ``DurableCache.tick``) then hands the promoted
+runs to the pool's write policy (``write_through``: host now, disk with the next spill). The
+blocks are safe in the cluster meanwhile, and the write-through inside ``open`` was most of a
+promotion's time. A crash before the tick forgets them locally (device residency does not
+survive recovery): the next ``open`` fetches them again. A client's own commit on top writes
+the whole path down itself (``DurableCache._make_durable``).
 
 NOTE: the short-lived sequence is bookkeeping, not a client's request, so ``promote`` takes
 its ``open`` and ``commit`` back out of the cache's counters (opens, requested and hit tokens,
@@ -42,6 +49,7 @@ open that has uncached full blocks.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import numpy as np
@@ -51,7 +59,7 @@ from prefixd.api.layout import as_token_bytes
 from prefixd.api.tiers import Tier
 from prefixd.cache.errors import OutOfBlocks
 from prefixd.cache.hashing import chain_hashes, namespace_hash, root_hash
-from prefixd.cache.node import path_to
+from prefixd.cache.node import DEVICE, attached, path_to
 from prefixd.engine.cluster_writer import ClusterWriter
 from prefixd.storage.remote import RemoteBlock, RemoteStore  # imports redis: see durable.py
 
@@ -59,6 +67,7 @@ log = logging.getLogger(__name__)
 
 FLEET_SEED = b"prefixd-fleet-v1"  # stands where a state directory's random root seed goes
 SENT_LIMIT = 1 << 20  # local hashes remembered as sent (``hits>=N``); cleared when full
+PENDING_LIMIT = 4096  # promoted runs waiting for ``tick``; the oldest half goes when full
 _UNDONE_STATS = ("opens", "requested_tokens", "requested_blocks", "hit_tokens", "committed_blocks")
 
 
@@ -73,6 +82,21 @@ def cluster_namespace(tenant_salt: bytes, layout_digest: bytes) -> bytes:
     h = hashlib.blake2b(digest_size=16, person=b"prefixd-cluster")
     h.update(len(tenant_salt).to_bytes(4, "little") + tenant_salt + layout_digest)
     return h.digest()
+
+
+@contextlib.contextmanager
+def _device_only(tiering):
+    """Index a commit at the device alone: ``write_back`` for its duration (``tiering`` None: a
+    device-only cache, nothing to write down)."""
+    if tiering is None or tiering.write_policy == "write_back":
+        yield
+        return
+    policy = tiering.write_policy
+    tiering.write_policy = "write_back"
+    try:
+        yield
+    finally:
+        tiering.write_policy = policy
 
 
 def connect(config, namespace: bytes) -> RemoteStore:
@@ -119,6 +143,7 @@ class ClusterTier:
         self.remote_hit_tokens = 0
         self.bad_blocks = 0       # returned blocks this side refused (wrong hash, tokens, size)
         self.promote_refused = 0  # a run found but no device room (or a local block cut)
+        self._promoted: list = []  # runs indexed at the device alone, for ``tick`` to write down
 
     # -- fleet names ---------------------------------------------------------------------------
 
@@ -264,12 +289,14 @@ class ClusterTier:
                 self.promote_refused += 1
                 return 0
             self._write(seq.block_table[have:have + r], [b.kv for b in run])
-            cache.commit(seq.id)
+            with _device_only(cache.tiering):  # written down when evicted (see the NOTE)
+                cache.commit(seq.id)
             at = 0
             for node in path_to(seq.node):
                 if at >= have:  # from the cluster: never offered back (``hits>=N``)
                     for h in node.hashes:
                         self._remember(h)
+                    self._write_later(node)
                 at += node.num_blocks
         finally:
             cache.release(seq.id)
@@ -278,6 +305,26 @@ class ClusterTier:
         self.remote_hit_blocks += r
         self.remote_hit_tokens += r * bs
         return r
+
+    def _write_later(self, node) -> None:
+        if len(self._promoted) >= PENDING_LIMIT:  # no tick for a long while: eviction demotes them
+            del self._promoted[:PENDING_LIMIT // 2]
+        self._promoted.append(node)
+
+    def tick(self) -> int:
+        """Write promoted runs down by the pool's write policy (``write_through``: to host now,
+        to disk with the next spill), off the ``open`` that promoted them; the daemon's loop
+        calls it through ``DurableCache.tick``. Returns the runs handed to the policy."""
+        pending, self._promoted = self._promoted, []
+        tiering = self.cache.tiering
+        if tiering is None:
+            return 0
+        done = 0
+        for node in pending:
+            if attached(node) and node.slots[DEVICE] is not None:
+                tiering.write_through(node)  # copies ancestors missing below too; a no-op
+                done += 1                    # under write_back and selective
+        return done
 
     # -- device bytes --------------------------------------------------------------------------
 
@@ -338,3 +385,4 @@ class ClusterTier:
     def check_invariants(self) -> None:
         self.writer.check_invariants()
         assert len(self._sent) <= SENT_LIMIT
+        assert len(self._promoted) <= PENDING_LIMIT

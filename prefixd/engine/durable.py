@@ -386,10 +386,18 @@ class DurableCache:
         """Periodic work the daemon's loop calls about every 100 ms (``TICK_PERIOD_S``): spill
         write-through runs waiting for disk (else they wait for ``spill_blocks`` of them), and
         release unclaimed recovered sequences (which every mutating call also does)."""
+        if self.cluster is not None:
+            self._write_down_promoted()
         self.spill()
         self._reclaim()
         self._order.durable_position()  # drops the marks of durable records (else they pile up)
         self._expire_if_due()
+
+    @_poison_on_storage_error
+    def _write_down_promoted(self) -> None:
+        """Runs promoted from the cluster were indexed at the device alone (``ClusterTier.tick``)."""
+        if self.cluster.tick():
+            self._log()
 
     def _expire_if_due(self) -> None:
         """Release the unclaimed recovered sequences once ``reclaim_grace_s`` has passed; run

@@ -149,6 +149,7 @@ def test_a_restarted_engine_keeps_promoted_blocks_and_still_fetches(tmp_path, re
         serve(pa, old)
         assert pa.cluster.drain()
         assert served(pb, old) == (10 * BS, 0)
+        b.tick()  # the daemon's loop writes promoted blocks down
         b.check_invariants()
         b.close()
         b = host(tmp_path, "b", cfg)
