@@ -160,3 +160,33 @@ def test_runs_pair_blocks_consecutive_on_both_sides():
 
     assert runs([4, 5, 6, 9, 10], [20, 21, 30, 31, 32]) == [(4, 20, 2), (6, 30, 1), (9, 31, 2)]
     assert runs([], []) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_block_copies_are_bit_exact_for_every_dtype_and_split(dtype):
+    """The copies go through numpy (which has no bfloat16): every dtype, both fused splits,
+    round-trips bit for bit, NaN payloads included."""
+    for split in (ROWS, COLUMNS):
+        src, dst = torch.randn(B, H, N, 2 * D).to(dtype), torch.zeros(B, H, N, 2 * D, dtype=dtype)
+        src.view(-1)[:7] = float("nan")
+        (s_view,), (d_view,) = [_found(src, split)[1]], [_found(dst, split)[1]]
+        pool = torch.zeros(4, 1, 2, N, H, D, dtype=dtype)
+        save_blocks(pool, [s_view], [2, 0], [1, 3])
+        load_blocks(pool, [d_view], [2, 0], [1, 3])
+        as_int = torch.int16 if dtype != torch.float32 else torch.int32
+        assert torch.equal(d_view[[2, 0]].contiguous().view(as_int), s_view[[2, 0]].contiguous().view(as_int))
+
+
+def test_block_copies_stay_off_torchs_thread_team(monkeypatch):
+    """Regression (issue 14 follow-up, TTFT): the copies were torch ``copy_``s, which torch
+    splits over its OpenMP team; on a loaded host the team's barriers made loading 8 SmolLM2
+    blocks ~4x slower than one thread (184 vs 41 ms), paid in full by an external hit's TTFT."""
+    def no_torch_copy(self, *args, **kwargs):
+        raise AssertionError("a block copy went through torch's copy_")
+
+    monkeypatch.setattr(torch.Tensor, "copy_", no_torch_copy)
+    views = [_found(torch.randn(B, H, N, 2 * D), ROWS)[1]]
+    pool = torch.zeros(2, 1, 2, N, H, D)
+    save_blocks(pool, views, [3], [1])
+    load_blocks(pool, views, [5], [1])
+    assert torch.equal(views[0][5], views[0][3])
