@@ -98,6 +98,16 @@ class VllmChild:
                 raise VllmFailed(f"no {line!r} from the vLLM child in {timeout} s:\n" + self.log_tail())
             time.sleep(0.1)
 
+    def ready(self, timeout: float = 900.0) -> dict:
+        """Once vLLM has started: ``{"startup_s", "block_size"}`` (the child's ``ready`` line).
+
+        Raises:
+            VllmFailed: the child exited first, or ``timeout`` passed.
+        """
+        self.wait_for("ready", timeout)
+        line = next(x for x in self.lines() if x.startswith("ready "))
+        return json.loads(line.split(" ", 1)[1])
+
     def open_gate(self, name: str) -> None:
         """Let a ``gated`` child go on: ``"0"`` before prompt 0, ..., ``"end"`` before it exits."""
         with open(os.path.join(self.gate, f"go-{name}"), "w"):

@@ -14,7 +14,8 @@ process and every connector sees the very same tokens) or ``{"ids": [...], "max_
 count of prompt tokens it did not compute) and ``external_hit_tokens`` (the connector's share
 of them, from vLLM's ``vllm:external_prefix_cache_hits`` counter; ``null`` when vLLM does not
 report it). With ``--progress PATH`` a line ``started <i>`` is appended before prompt ``i`` is
-submitted and ``done <i> <its result as JSON>`` after it (the tests kill the process
+submitted and ``done <i> <its result as JSON>`` after it (and ``ready {"startup_s", "block_size"}``
+once vLLM has started) (the tests kill the process
 mid-request on that signal, and still have the earlier prompts' results). With ``--gate DIR``
 the process waits, after vLLM started, for a file ``DIR/go-<i>`` before prompt ``i`` and for
 ``DIR/go-end`` before it exits (the tests order two vLLM processes that run at once).
@@ -109,6 +110,8 @@ def run(args: argparse.Namespace) -> dict:
                                                  storage=args.storage, durability=args.durability),
               **kw)
     startup_s = time.perf_counter() - t0
+    block_size = llm.llm_engine.vllm_config.cache_config.block_size
+    _progress(args.progress, "ready " + json.dumps({"startup_s": round(startup_s, 2), "block_size": block_size}))
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     results = []
     for i, prompt in enumerate(prompts):
@@ -141,7 +144,7 @@ def run(args: argparse.Namespace) -> dict:
         _progress(args.progress, f"done {i} {json.dumps(results[-1])}")
     _wait_gate(args.gate, "go-end")
     return {"connector": args.connector, "startup_s": round(startup_s, 2),
-            "block_size": llm.llm_engine.vllm_config.cache_config.block_size, "results": results}
+            "block_size": block_size, "results": results}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
