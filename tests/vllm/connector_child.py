@@ -1,7 +1,6 @@
 """Run in the vLLM venv by tests/vllm/test_connector_vllm.py (the main venv has no vLLM).
 
     python connector_child.py roundtrip SOCKET            -> one JSON line on stdout
-    python connector_child.py generate SOCKET MODEL PROMPT_FILE N_TOKENS -> one JSON line
 
 ``roundtrip``: KV written into tensors shaped like CPU_ATTN's by vLLM's own cache write
 (``cpu_attn_reshape_and_cache``) is saved through the connector's worker side into a real
@@ -10,8 +9,8 @@ ids; vLLM's own attention kernel (``cpu_attention_with_kv_cache``) over the load
 compared with attention computed from the original K/V. The same load read with the GPU
 backends' K/V split is reported too (it must not match: the split is what the test checks).
 
-``generate``: one ``LLM`` with ``PrefixdConnector`` answers the prompt (greedy); prints its
-token ids. The connector's INFO lines go to stderr, which the test reads.
+(Generation through the connector is tested by tests/vllm/test_vllm_scenarios.py, with the
+driver ``prefixd.tools.vllm_run``.)
 """
 
 import json
@@ -136,25 +135,10 @@ def reference_attention(query, keys, values, scale):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def generate(socket: str, model: str, prompt_file: str, n_tokens: int) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-
-    prompt = open(prompt_file).read()
-    llm = LLM(model=model, enforce_eager=True, max_model_len=1024, max_num_seqs=2,
-              kv_transfer_config=KVTransferConfig(
-                  kv_connector="PrefixdConnector", kv_connector_module_path="prefixd.client.vllm",
-                  kv_role="kv_both",
-                  kv_connector_extra_config={"prefixd.socket": socket, "prefixd.durability": "crash"}))
-    out = llm.generate([prompt], SamplingParams(max_tokens=n_tokens, temperature=0.0))
-    return {"token_ids": list(out[0].outputs[0].token_ids), "prompt_tokens": len(out[0].prompt_token_ids)}
-
-
 def main(argv) -> int:
-    if argv[0] == "roundtrip":
-        result = roundtrip(argv[1])
-    else:
-        result = generate(argv[1], argv[2], argv[3], int(argv[4]))
+    if argv[0] != "roundtrip":
+        raise SystemExit(f"usage: connector_child.py roundtrip SOCKET (got {argv[0]!r})")
+    result = roundtrip(argv[1])
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 
