@@ -18,6 +18,12 @@ def test_readme_toml_sample_loads():
     assert samples, "the README shows no TOML sample"
     for sample in samples:
         config = EngineConfig.from_toml(sample.encode())
+        if "[engine.cluster]" in sample:  # "Share prefixes across hosts"
+            assert config.tenants == (Tenant("default", "same-on-every-host"),)
+            assert config.cluster.nodes == ("10.0.0.1:7000", "10.0.0.2:7000")
+            assert config.cluster.min_hits == 2
+            continue
+        assert config.cluster is None
         assert config.tenants == (Tenant("acme", "acme-2026"),)
         assert config.blocks.as_tuple() == (4096, 16384, 65536)
 
