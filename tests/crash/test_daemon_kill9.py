@@ -26,7 +26,7 @@ import pytest
 
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.crashpoints import CRASH_EXIT_CODE
-from tests.daemon.gsp_load import BS, digest, packed, pb_layout, read_kv, read_lines
+from tests.daemon.gsp_load import BS, LineTail, digest, packed, pb_layout, read_kv
 from tests.daemon.harness import ROOT, DaemonProcess
 
 CLIENTS = 8
@@ -141,6 +141,8 @@ class Clients:
              str(seed), str(think_s), str(lib)], cwd=ROOT, env=env, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True)
         self._procs: list[Forked] = []
+        self._acks = [LineTail(os.path.join(out, f"acks-{i}")) for i in range(CLIENTS)]
+        self._events = [LineTail(os.path.join(out, f"events-{i}")) for i in range(CLIENTS)]
 
     @property
     def procs(self) -> list[Forked]:
@@ -154,10 +156,10 @@ class Clients:
         return self._procs
 
     def acks(self) -> list[list[dict]]:
-        return [read_lines(os.path.join(self.out, f"acks-{i}")) for i in range(CLIENTS)]
+        return [tail.read() for tail in self._acks]
 
     def events(self) -> list[list[dict]]:
-        return [read_lines(os.path.join(self.out, f"events-{i}")) for i in range(CLIENTS)]
+        return [tail.read() for tail in self._events]
 
     def check_alive(self) -> None:
         for i, p in enumerate(self.procs):
