@@ -57,24 +57,26 @@ def check_pair(pool: torch.Tensor, views, block_ids, slots) -> None:
 
 def load_blocks(pool: torch.Tensor, views, block_ids, slots) -> None:
     """vLLM blocks ``block_ids`` (every layer) = prefixd slots ``slots``."""
-    if not block_ids:
-        return
-    check_pair(pool, views, block_ids, slots)
-    spans = runs(block_ids, slots)
-    for layer, view in enumerate(views):
-        for b, s, k in spans:
-            _copy(view[b:b + k], pool[s:s + k, layer])
+    _transfer(pool, views, block_ids, slots, into_vllm=True)
 
 
 def save_blocks(pool: torch.Tensor, views, block_ids, slots) -> None:
     """prefixd slots ``slots`` (every layer) = vLLM blocks ``block_ids``."""
+    _transfer(pool, views, block_ids, slots, into_vllm=False)
+
+
+def _transfer(pool: torch.Tensor, views, block_ids, slots, *, into_vllm: bool) -> None:
     if not block_ids:
         return
     check_pair(pool, views, block_ids, slots)
     spans = runs(block_ids, slots)
     for layer, view in enumerate(views):
         for b, s, k in spans:
-            _copy(pool[s:s + k, layer], view[b:b + k])
+            ours, theirs = pool[s:s + k, layer], view[b:b + k]
+            if into_vllm:
+                _copy(theirs, ours)
+            else:
+                _copy(ours, theirs)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
