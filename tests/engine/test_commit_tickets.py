@@ -186,3 +186,29 @@ def test_tick_drops_the_marks_of_durable_records(make):
     dc.tick()
     assert dc._order.num_marks <= 1
     dc.close()
+
+
+
+@pytest.mark.parametrize("restorer", ["release", "tick"])
+def test_open_leaves_the_headroom_to_the_next_call_or_tick(make, restorer):
+    """An ``open`` does not evict ahead (a whole run cascading down a tier, on the time to first
+    token); the next other call (here ``release``) or the ``tick`` restores the headroom."""
+    dc = make(sizes=(64, 32, 128))  # headroom cap: an eighth of the host tier, 4 slots
+    host = dc.cache.allocators[HOST]
+    for i in range(4):  # host full of committed runs (8 blocks each)
+        seq = _open_written(dc, [100 * i + t for t in range(17)])
+        dc.commit(seq.id, "index").result()
+        dc.release(seq.id)
+    dc.flush().result()
+    dc.tick()
+    quarantine = dc._quarantine
+    quarantine.headroom[quarantine.tiers.index(HOST)] = 4  # as forced reclaims would leave it
+    assert host.num_free + host.num_deferred < 4, "the test needs a host tier below its headroom"
+    seq = dc.open([7, 7, 7])
+    assert host.num_free + host.num_deferred < 4, "open evicted ahead on the request's path"
+    if restorer == "release":
+        dc.release(seq.id)
+    else:
+        dc.tick()
+    assert host.num_free + host.num_deferred >= 4, f"{restorer} did not restore the headroom"
+    dc.check_invariants()
