@@ -1,6 +1,9 @@
 """Layout discovery of vLLM's registered KV tensors and the block copies, on tensors shaped like
 each backend's (main venv: no vLLM needed)."""
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -190,3 +193,58 @@ def test_block_copies_stay_off_torchs_thread_team(monkeypatch):
     save_blocks(pool, views, [3], [1])
     load_blocks(pool, views, [5], [1])
     assert torch.equal(views[0][5], views[0][3])
+
+
+def test_a_large_transfer_is_split_over_threads_and_stays_bit_exact(monkeypatch):
+    """TTFT (issue 14): the transposing copy runs at half of memcpy's speed on one core, and an
+    external hit paid ~20 ms of it on the TTFT; a transfer over ``SPLIT_BYTES`` is split by
+    layer over the caller's thread and helpers. Every layer lands, on more than one thread."""
+    from prefixd.client.vllm import block_transfer
+
+    monkeypatch.setattr(block_transfer, "COPY_THREADS", 3)
+    monkeypatch.setattr(block_transfer, "SPLIT_BYTES", 0)
+    threads = set()
+    real = block_transfer._copy_all
+
+    def recording(pairs):
+        if pairs:
+            threads.add(threading.get_ident())
+        real(pairs)
+
+    monkeypatch.setattr(block_transfer, "_copy_all", recording)
+    layers = 5
+    src = [torch.randn(B, H, N, 2 * D) for _ in range(layers)]
+    dst = [torch.zeros(B, H, N, 2 * D) for _ in range(layers)]
+    s_views, d_views = [_found(t)[1] for t in src], [_found(t)[1] for t in dst]
+    pool = torch.zeros(6, layers, 2, N, H, D)
+    save_blocks(pool, s_views, [1, 2, 6], [4, 5, 0])
+    load_blocks(pool, d_views, [0, 3, 4], [4, 5, 0])
+    for s, d in zip(s_views, d_views):
+        assert torch.equal(d[[0, 3, 4]], s[[1, 2, 6]])
+    assert len(threads) > 1, "the transfer ran on one thread"
+
+
+def test_a_failed_share_fails_the_transfer_after_every_share_is_done(monkeypatch):
+    """A helper's error reaches the caller, and only once every share has stopped (a caller
+    that went on while a helper still copied could hand vLLM half-written blocks)."""
+    from prefixd.client.vllm import block_transfer
+
+    monkeypatch.setattr(block_transfer, "COPY_THREADS", 2)
+    monkeypatch.setattr(block_transfer, "SPLIT_BYTES", 0)
+    done = []
+    main = threading.get_ident()
+    real = block_transfer._copy_all
+
+    def failing_helper(pairs):
+        if threading.get_ident() != main:
+            time.sleep(0.2)
+            done.append("helper")
+            raise OSError("planted copy failure")
+        real(pairs)
+        done.append("main")
+
+    monkeypatch.setattr(block_transfer, "_copy_all", failing_helper)
+    views = [_found(torch.randn(B, H, N, 2 * D))[1] for _ in range(2)]
+    with pytest.raises(OSError, match="planted"):
+        load_blocks(torch.zeros(4, 2, 2, N, H, D), views, [0, 1], [2, 3])
+    assert sorted(done) == ["helper", "main"]

@@ -25,8 +25,8 @@ llm = LLM(model=MODEL_DIR, kv_transfer_config=KVTransferConfig(
 - ``prefixd.log_level`` (``INFO``): level of the stderr handler the connector gives the
   ``prefixd.client.vllm`` logger when nothing else handles it (``""``: none).
 
-What it does: the scheduler asks the daemon how much of a prompt it holds (``Lookup``, whole
-blocks below the last token), pins that prefix for the request (``Open``), and releases it
+What it does: the scheduler opens the prompt in the daemon (``Open``: one rpc pins the prefix
+the daemon holds; vLLM is offered its whole blocks below the last token), and releases it
 when the request finishes, committing the prompt's newly computed full blocks at the
 configured durability once the worker saved them. The worker copies blocks between vLLM's
 paged KV tensors (their layout found from the tensors themselves, ``paged_layout``) and the

@@ -158,16 +158,17 @@ class PrefixdConnector(KVConnectorBase_V1):
             self.worker.close()
 
     def _recompute_failed_loads(self) -> None:
-        """A block the lookup promised but the open could not pin is a load error; vLLM's
-        default policy for those ("fail") would fail the request. The scheduler reads the
-        policy after it made the connector, so this sets "recompute" (package docstring)."""
+        """A promised block the worker cannot load (the daemon restarted between the open and
+        the copy, or the lease was lost) is a load error; vLLM's default policy for those
+        ("fail") would fail the request. The scheduler reads the policy after it made the
+        connector, so this sets "recompute" (package docstring)."""
         cfg = self._kv_transfer_config
         if getattr(cfg, "kv_load_failure_policy", "recompute") != "recompute":
             try:
                 cfg.kv_load_failure_policy = "recompute"
             except (AttributeError, TypeError, ValueError) as exc:  # a frozen config in another vLLM
-                log.warning("could not set kv_load_failure_policy=recompute (%s): a prefix evicted between "
-                            "lookup and open would fail its request; set it in the KVTransferConfig", exc)
+                log.warning("could not set kv_load_failure_policy=recompute (%s): a daemon restart between "
+                            "an open and its load would fail the request; set it in the KVTransferConfig", exc)
                 return
             log.info("kv_load_failure_policy set to recompute: a block prefixd cannot give is computed")
 

@@ -6,8 +6,7 @@ base classes wrap them in ``connector.py``, so this module imports no vLLM.
 - ``StepPlan`` (scheduler -> worker, one per step): the blocks to load before the forward and
   to save after it, each as ``Transfer``\\ s pairing vLLM block ids with prefixd slots, under the
   daemon ``epoch`` the slots were handed out in; and the vLLM blocks the scheduler already knows
-  it cannot load (``failed_block_ids``: promised by a lookup, not pinned by the open that
-  followed), which the worker reports to vLLM as load errors in this step.
+  it cannot load (``failed_block_ids``: promised under a daemon epoch that has ended), which the worker reports to vLLM as load errors in this step.
 - ``SaveReport`` (worker -> scheduler, one per step): blocks saved per request, and requests
   with a save that failed (their sequence is then released without a commit).
 """
