@@ -268,17 +268,36 @@ def stats_values(families: list[Family], tenant: str) -> dict[str, float]:
 
 
 def stats_document(core, tenant: str) -> dict:
-    """The ``Stats`` rpc's JSON document: the tenant's pools' cache counters and blocks."""
+    """The ``Stats`` rpc's JSON document: the tenant's pools' cache counters and blocks, keyed
+    by model id (``pool_key``: two layouts of one model id get keys that tell them apart)."""
     pools = {}
     if core.engine is not None:
-        for (pool_tenant, layout), dc in core.engine.pool_items():
-            if pool_tenant == tenant:
-                pools[layout.model_id] = {"cache": dc.cache.stats.as_dict(),
-                                          "blocks": list(dc.cache.tree.num_blocks_in)}
-                if getattr(dc, "cluster", None) is not None:
-                    pools[layout.model_id]["cluster"] = dc.cluster.stats()
+        items = [(layout, dc) for (pool_tenant, layout), dc in core.engine.pool_items()
+                 if pool_tenant == tenant]
+        shared = {layout.model_id for layout, _ in items}
+        shared = {m for m in shared if sum(1 for layout, _ in items if layout.model_id == m) > 1}
+        for layout, dc in items:
+            entry = pools[pool_key(layout, layout.model_id in shared)] = {
+                "cache": dc.cache.stats.as_dict(), "blocks": list(dc.cache.tree.num_blocks_in),
+                "layout": {"model_id": layout.model_id, "num_layers": layout.num_layers,
+                           "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
+                           "dtype": layout.dtype, "block_size": layout.block_size}}
+            if getattr(dc, "cluster", None) is not None:
+                entry["cluster"] = dc.cluster.stats()
     sessions = sum(1 for s in core.sessions if s.tenant == tenant)
     return {"tenant": tenant, "pools": pools, "sessions": float(sessions), "pid": os.getpid()}
+
+
+def pool_key(layout, shared: bool) -> str:
+    """A pool's key in the Stats document: its model id, or, when another pool of the tenant
+    has the same model id (a vLLM at block 128 beside a client at 16), the model id with the
+    layout: ``m [L=30 H=3 D=64 float32 block=128]``.
+
+    NOTE: keyed by model id alone, the second pool overwrote the first in the document."""
+    if not shared:
+        return layout.model_id
+    return (f"{layout.model_id} [L={layout.num_layers} H={layout.num_kv_heads} D={layout.head_dim} "
+            f"{layout.dtype} block={layout.block_size}]")
 
 
 def stats_reply_parts(core, tenant: str) -> tuple[dict[str, float], str]:

@@ -98,6 +98,28 @@ def test_stats_json_counts_the_opens_made_through_the_stubs(daemon, capsys):
     assert doc["tenant"] == "default" and doc["pools"]["stats-model"]["cache"]["opens"] == 3
 
 
+def test_stats_json_keeps_two_layouts_of_one_model_apart(daemon, capsys):
+    """Regression: the document keyed pools by model id alone, so a second layout of the same
+    model (a vLLM at block 128 beside a client at block 16) overwrote the first's counters."""
+    stub = daemon.stub()
+    sessions = []
+    for block_size, opens in ((16, 1), (32, 2)):
+        lay = layout("twin-model")
+        lay.block_size = block_size
+        session = stub.Attach(pb.AttachRequest(client_name="twin", layout=lay)).session_id
+        sessions.append(session)
+        for i in range(opens):
+            seq = stub.Open(pb.OpenRequest(session_id=session, tokens=packed([5, 6, i]))).sequence
+            stub.Release(pb.ReleaseRequest(session_id=session, seq_id=seq.seq_id))
+    code, out, err = run_ctl(capsys, "--socket", daemon.socket, "stats", "--json")
+    for session in sessions:
+        stub.Detach(pb.DetachRequest(session_id=session))
+    assert code == 0, err
+    twins = {k: v for k, v in json.loads(out)["pools"].items() if v["layout"]["model_id"] == "twin-model"}
+    assert len(twins) == 2, sorted(twins)
+    assert sorted((v["layout"]["block_size"], v["cache"]["opens"]) for v in twins.values()) == [(16, 1), (32, 2)]
+
+
 def test_stats_table_has_one_line_per_value(daemon, capsys):
     code, out, _ = run_ctl(capsys, "--socket", daemon.socket, "stats")
     assert code == 0
