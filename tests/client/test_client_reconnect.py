@@ -1,6 +1,7 @@
 """Reconnect and reclaim after the daemon is killed with SIGKILL and restarted on the same state."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -81,6 +82,38 @@ def test_after_kill9_sessions_reattach_and_reclaim_what_was_committed():
         assert len(e) == 8 and w.recoveries == 1
         for s in (m, r, u, w):
             s.check_invariants()
+
+
+def test_idle_sessions_answer_their_next_call_after_a_restart_longer_than_the_lease():
+    """Idle sessions across a daemon kill -9 and restart, down and then idle past the lease
+    (issue 14 follow-up: an idle vLLM's sessions did not show on the new daemon). With the
+    default backoff the keep-alive's recovery re-attaches once the daemon serves and holds the
+    new lease while idle; one whose bounded backoff gave up while the daemon was down stays on
+    the dead session until its next call, which re-attaches and answers as if nothing happened,
+    and its mapped read of the committed prefix gives the bytes written before the kill."""
+    lease_s = 1.0
+    prompt, x = list(range(500, 510)), kv(10, 5)
+    with start_daemon(lease_s=lease_s) as d, pc.connect(d.socket, LAYOUT, name="idle") as s, \
+            pc.connect(d.socket, LAYOUT, name="gave-up", mapped=True, backoff=pc.Backoff(total_s=0.3)) as u:
+        seq = s.open(prompt)
+        s.write_kv(seq, 0, x)
+        s.release(seq, commit=True)
+        ids = s.id, u.id
+        d.kill()
+        time.sleep(lease_s + 0.5)  # down past the lease
+        d.start()
+        deadline = time.monotonic() + 60
+        while not s.lease_held and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(lease_s + 0.5)  # idle past a lease and its keep-alive interval on the new daemon
+        assert s.lease_held and s.recoveries == 1 and s.id != ids[0], "the keep-alive's recovery re-attached"
+        assert not u.lease_held and u.recoveries == 0 and u.id == ids[1], "the bounded backoff gave up"
+        assert u.lookup(prompt) == 8 and s.lookup(prompt) == 8
+        assert (u.recoveries, s.recoveries) == (1, 1) and u.id != ids[1] and u.lease_held
+        seq = u.open(prompt)
+        assert seq.cached_tokens == 8 and torch.equal(u.read_kv(seq, 0, 8), x[:, :, :8])
+        for c in (s, u):
+            c.check_invariants()
 
 
 @pytest.mark.soak

@@ -17,6 +17,7 @@ from tests.daemon.harness import start_daemon
 L, H, D, BS, B = 2, 2, 16, 32, 8
 LAYOUT = KVLayout("connector-worker", L, H, D, "bfloat16", BS)
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
+LEASE_S = 3.0
 
 
 def _tensors(seed=None):
@@ -35,7 +36,7 @@ def _worker(socket, tensors):
 
 @pytest.fixture(scope="module")
 def daemon():
-    with start_daemon(lease_s=3.0) as d:
+    with start_daemon(lease_s=LEASE_S) as d:
         yield d
 
 
@@ -128,3 +129,50 @@ def test_copies_under_a_dead_daemons_epoch_are_misses_until_both_sessions_recove
         s.release(seq, commit=True)
         assert s.open(tokens).cached_tokens == 2 * BS
         w.close()
+
+
+def test_an_idle_connector_hits_on_its_first_request_after_a_daemon_restart(daemon):
+    """An idle vLLM across a daemon kill -9 and restart (issue 14 follow-up: a vLLM that sat
+    idle did not show its sessions on the new daemon, and its next request was suspected to
+    miss). Neither half calls the daemon while idle, so each sits on its dead session (the
+    library's background reconnect gives up within the connector's 0.3 s backoff) while the
+    daemon is down and then up, each longer than a lease and its keep-alive interval. The first
+    request after must be a whole external hit loaded byte for byte, with no outage counted:
+    its first call re-attaches each half."""
+    from prefixd.client.vllm.scheduler import SchedulerSide
+
+    prompt = list(range(7000, 7000 + 3 * BS + 7))
+    src = _tensors(4)
+    a = SchedulerSide(DaemonLink(daemon.socket, LAYOUT, "idle-scheduler", mapped=False, timeout_s=5, retry_s=2.0),
+                      BS, "crash")
+    w = _worker(daemon.socket, src)
+    assert a.num_new_matched_tokens("r1", prompt, 0) == 0
+    a.after_alloc("r1", prompt, 0)
+    plan = a.build_plan([("r1", [4, 5, 6, 7], 0)], [], {"r1": len(prompt)})
+    w.load(plan)
+    w.save(plan)
+    a.on_report(w.take_report())
+    a.finished("r1")
+    assert a.stats.committed == 1
+    old_epoch, saved = a.link.epoch(), {n: src[n][4:7].clone() for n in NAMES}
+    daemon.kill()
+    time.sleep(LEASE_S + 0.5)  # down past the lease
+    daemon.start()
+    time.sleep(LEASE_S + LEASE_S / 3 + 0.5)  # idle past a lease and a keep-alive interval
+
+    assert a.num_new_matched_tokens("r2", prompt, 0) == 3 * BS
+    a.after_alloc("r2", prompt, 3 * BS)
+    plan = a.build_plan([("r2", [0, 1, 2, 3], 0)], [], {"r2": 7})
+    w.load(plan)
+    assert w.take_load_errors() == set() and plan.loads and plan.saves == []
+    for n in NAMES:
+        assert torch.equal(src[n][0:3], saved[n])
+    a.finished("r2")
+    assert a.link.epoch() == w.link.epoch() != old_epoch
+    for link in (a.link, w.link):
+        assert (link.stats.outages, link.stats.skipped, link.stats.failed) == (0, 0, 0), link.stats
+        assert link.session.recoveries == 1
+    a.check_invariants()
+    w.check_invariants()
+    a.shutdown()
+    w.close()
