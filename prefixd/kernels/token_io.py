@@ -13,13 +13,27 @@ slots, or a single indexed copy when the slots are scattered into many runs (one
 GPU instead of one per run). A partial block at either end of the range is written in place,
 row by row: only its token rows change, the rest of the block is left as it was (the
 read-modify-write happens in the pool, without reading the block out).
+
+NOTE (CPU copies stay in the calling thread): between CPU tensors every copy is numpy's
+(``copy_into``: ``np.copyto`` over the same memory, bit for bit; dtypes numpy lacks move as
+integers of their size), not torch's ``copy_``, which splits a copy this size over its OpenMP
+team: a memory-bound copy over threads that wait on each other at a barrier is several times
+slower on a loaded host, in bursts (4 MiB, the tiny layout's 2k tokens, 2-core host at load
+4-9: ``copy_`` 0.2 ms or 3.5-8 ms by the minute, numpy 0.15-0.2 ms throughout). Scattered
+blocks are written by one numpy indexed assignment (``pool[slots] = src``: no temporary) and
+read run by run (an indexed read would make a temporary: 0.49 against 0.33 ms for 128
+scattered blocks). A CUDA pool keeps torch's copies (one kernel per run, or one indexed copy).
+The vLLM connector's block copies made the same choice (``prefixd.client.vllm.block_transfer``).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 MAX_RUNS = 16  # above this many runs of consecutive slots, one indexed copy moves the blocks
+# numpy has no bfloat16 (nor the float8 kinds): those move as integers of the same size
+_AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def check_kv(layout, kv) -> int:
@@ -46,18 +60,22 @@ def write_tokens(pool: torch.Tensor, block_table, start: int, kv: torch.Tensor, 
     slots) = ``kv``."""
     n = kv.shape[2]
     kv = kv.to(pool.device)
+    on_cpu = _numpy_copies(pool, kv)
     for off, slot, row, k in _partial_blocks(block_table, start, n, block_size):
-        pool[slot, :, :, row:row + k].copy_(kv[:, :, off:off + k])
+        copy_into(pool[slot, :, :, row:row + k], kv[:, :, off:off + k])
     first, off, nb = _whole_blocks(start, n, block_size)
     if nb:
         src = kv[:, :, off:off + nb * block_size].unflatten(2, (nb, block_size)).permute(2, 0, 1, 3, 4, 5)
         slots = block_table[first:first + nb]
         spans = slot_runs(slots)
         if len(spans) > MAX_RUNS:
-            pool.index_copy_(0, torch.tensor(slots, dtype=torch.long, device=pool.device), src)
+            if on_cpu:
+                _numpy(pool)[slots] = _numpy(src)
+            else:
+                pool.index_copy_(0, torch.tensor(slots, dtype=torch.long, device=pool.device), src)
             return
         for i, slot, k in spans:
-            pool[slot:slot + k].copy_(src[i:i + k])
+            copy_into(pool[slot:slot + k], src[i:i + k])
 
 
 def read_tokens(pool: torch.Tensor, block_table, start: int, n: int, block_size: int,
@@ -72,18 +90,37 @@ def read_tokens(pool: torch.Tensor, block_table, start: int, n: int, block_size:
     elif tuple(out.shape) != shape or out.dtype != pool.dtype:
         raise ValueError(f"out must be {shape} of {pool.dtype}, got {tuple(out.shape)} of {out.dtype}")
     for off, slot, row, k in _partial_blocks(block_table, start, n, block_size):
-        out[:, :, off:off + k].copy_(pool[slot, :, :, row:row + k])
+        copy_into(out[:, :, off:off + k], pool[slot, :, :, row:row + k])
     first, off, nb = _whole_blocks(start, n, block_size)
     if nb:
         dst = out[:, :, off:off + nb * block_size].unflatten(2, (nb, block_size)).permute(2, 0, 1, 3, 4, 5)
         slots = block_table[first:first + nb]
         spans = slot_runs(slots)
-        if len(spans) > MAX_RUNS:
+        if len(spans) > MAX_RUNS and not _numpy_copies(pool, out):
             dst.copy_(pool.index_select(0, torch.tensor(slots, dtype=torch.long, device=pool.device)))
         else:
             for i, slot, k in spans:
-                dst[i:i + k].copy_(pool[slot:slot + k])
+                copy_into(dst[i:i + k], pool[slot:slot + k])
     return out
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[...] = src`` (same dtype; ``src`` broadcast to ``dst``'s shape; any strides):
+    numpy's copy in this thread between CPU tensors (see the NOTE), torch's ``copy_`` else."""
+    if _numpy_copies(dst, src):
+        np.copyto(_numpy(dst), _numpy(src), casting="no")
+    else:
+        dst.copy_(src)
+
+
+def _numpy_copies(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when a copy between ``a`` and ``b`` goes through numpy (both on the CPU, one dtype)."""
+    return a.device.type == "cpu" and b.device.type == "cpu" and a.dtype == b.dtype
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of ``t``'s memory (same strides), bit for bit."""
+    return t.detach().view(_AS_INT[t.element_size()]).numpy()
 
 
 def slot_runs(slots) -> list[tuple[int, int, int]]:

@@ -5,7 +5,8 @@ import random
 import pytest
 import torch
 
-from prefixd.kernels.token_io import MAX_RUNS, read_tokens, slot_runs, write_tokens
+from prefixd.api.tensors import DTYPES
+from prefixd.kernels.token_io import MAX_RUNS, copy_into, read_tokens, slot_runs, write_tokens
 
 BS = 4
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 3
@@ -56,7 +57,7 @@ def test_a_partial_block_write_leaves_the_blocks_other_rows_alone():
 
 
 def test_many_scattered_runs_take_the_indexed_copy_and_agree():
-    """More runs than MAX_RUNS go through one index_copy_ / index_select; same bytes."""
+    """More runs than MAX_RUNS go through one indexed copy (numpy's on the CPU); same bytes."""
     table = list(range(0, 2 * (MAX_RUNS + 4), 2))  # no two slots consecutive
     p = pool(2 * len(table))
     n = len(table) * BS
@@ -77,3 +78,50 @@ def test_read_into_a_given_tensor_fills_it_in_place():
     assert torch.equal(out, x[:, :, 2:9])
     with pytest.raises(ValueError, match="out must be"):
         read_tokens(p, table, 2, 6, BS, out)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("table", [list(range(3, 3 + 12)), random.Random(2).sample(range(64), 12),
+                                   list(range(0, 2 * (MAX_RUNS + 4), 2))], ids=["run", "shuffled", "scattered"])
+def test_round_trips_are_bit_exact_for_every_dtype_partial_blocks_and_scattered_slots(dtype, table):
+    """The CPU copies go through numpy, which has no bfloat16 nor float8: each dtype moves as
+    an integer of its size, so every bit pattern (NaN payloads included) must come back."""
+    dt = getattr(torch, dtype)
+    n_blocks = max(table) + 1
+    p = torch.zeros((n_blocks, NUM_LAYERS, 2, BS, NUM_KV_HEADS, HEAD_DIM), dtype=dt)
+    for start, n in ((0, len(table) * BS), (3, len(table) * BS - 5), (BS + 1, 2)):
+        x = kv(n, seed=start).to(dt)
+        _bits(x).view(-1)[:24] = torch.arange(232, 256, dtype=torch.uint8)  # NaNs, odd payloads
+        write_tokens(p, table, start, x, BS)
+        assert torch.equal(_bits(read_tokens(p, table, start, n, BS)), _bits(x))
+        out = torch.empty_like(x)
+        assert torch.equal(_bits(read_tokens(p, table, start, n, BS, out)), _bits(x))
+
+
+def test_cpu_copies_stay_off_torchs_thread_team(monkeypatch):
+    """Regression (kv.mapped_gbps, kv.rpc_gbps): CPU copies were torch ``copy_`` /
+    ``index_copy_`` / ``index_select``, which torch splits over its OpenMP team; on a loaded
+    host the team's barriers made a 4 MiB copy take 3.5-8 ms in bursts instead of 0.2."""
+    def no_torch_copy(*args, **kwargs):
+        raise AssertionError("a CPU copy went through torch's thread team")
+
+    for name in ("copy_", "index_copy_", "index_select"):
+        monkeypatch.setattr(torch.Tensor, name, no_torch_copy)
+    for table in ([5, 6, 7, 1], list(range(0, 2 * (MAX_RUNS + 4), 2))):
+        p = pool(2 * len(table) + 8)
+        x = kv(len(table) * BS - 3, seed=9)
+        write_tokens(p, table, 1, x, BS)
+        got = read_tokens(p, table, 1, x.shape[2], BS)
+        assert torch.equal(got, x)
+
+
+def test_copy_into_falls_back_to_torch_across_dtypes_and_broadcasts():
+    dst = torch.zeros(2, 3)
+    copy_into(dst, torch.ones(3, dtype=torch.float16))  # another dtype: torch's copy_ casts
+    assert dst.tolist() == [[1.0] * 3] * 2
+    copy_into(dst, torch.full((3,), 2.0))  # numpy broadcasts like copy_
+    assert dst.tolist() == [[2.0] * 3] * 2
