@@ -21,9 +21,10 @@ in test_connector_vllm.py took 8-11 min under load; each start is 30-45 s of ``i
 and model load on the 2-core dev host). vLLM's own prefix cache is off (``vllm_run``), so every
 hit is the connector's. The process after the daemon's restart is a fresh one: tried with
 ``C`` living through the kill, its sessions did not show up again on the restarted daemon
-within 120 s while it sat idle (not investigated; likely the connector's 0.3 s connect backoff
-ends the background reconnect and only a call reconnects), so its next request could not be
-held to an exact hit count. Skipped with a reason where the vLLM venv is missing, except
+while it sat idle: by design (the connector's 0.3 s connect backoff ends the background
+reconnect, and the next call re-attaches); test_connector_worker.py's
+``test_an_idle_connector_hits_on_its_first_request_after_a_daemon_restart`` shows that first
+request is a whole hit. Skipped with a reason where the vLLM venv is missing, except
 under CI or as root, where a missing venv fails (``make test`` makes it).
 """
 
