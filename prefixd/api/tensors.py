@@ -15,6 +15,7 @@ NOTE (build messages in place): pass the reply's own field as ``out``
 measured at 3.5-40 ms for a 4 MiB chunk on the (loaded) dev host, while assigning ``bytes`` to a
 field of the reply, or ``CopyFrom`` into it, took 0.2 ms. Reading a ``bytes`` field copies at
 every access: read it once.
+The KV rpcs' messages skip protobuf for the KV bytes altogether: ``prefixd.api.kv_frames``.
 
 NOTE: like ``KVLayout.torch_dtype``, torch is imported inside the functions: ``prefixd.api``
 stays importable without torch for light clients (``prefixctl``).
@@ -64,52 +65,6 @@ def tensor_bytes(tensor) -> bytes:
     if not t.numel():
         return b""
     return t.reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-_KVCHUNK_DATA = pb.KVChunk.DESCRIPTOR.fields_by_name["data"].number
-
-
-def framed_kv(outer: bytes, field: int, seq_id: int, start: int, kv) -> bytes:
-    """The encoded message ``outer`` with field ``field`` set to the ``KVChunk`` of ``kv``,
-    built with ONE copy of the KV bytes (``b"".join`` straight from the tensor's memory).
-
-    The encoding is exactly what protobuf would produce for the same message (a chunk's
-    ``data`` is its last field, and protobuf writes fields in number order), so a receiver
-    parses it with the generated class. Building it through protobuf instead copies the KV
-    three times (``tobytes``, the field setter, ``SerializeToString``): 4 MiB moves cost
-    milliseconds each, the same order as the socket itself (bench/rpc.py ``kv.rpc_gbps``).
-
-    Args:
-        outer: the encoded outer message without the chunk (``WriteKVRequest(session_id=..)``
-            or an empty ``ReadKVReply``).
-        field: the outer message's ``KVChunk`` field number.
-        kv: a CPU tensor ``[num_layers, 2, n, num_kv_heads, head_dim]``.
-    """
-    import torch
-
-    t = kv.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    t = t.contiguous()
-    head = pb.KVChunk(seq_id=seq_id, start=start, num_tokens=t.shape[2], shape=list(t.shape),
-                      dtype=dtype_name(t.dtype)).SerializeToString()
-    nbytes = t.numel() * t.element_size()
-    data = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if nbytes else b""
-    data_head = _varint(_KVCHUNK_DATA << 3 | 2) + _varint(nbytes) if nbytes else b""
-    chunk_len = len(head) + len(data_head) + nbytes
-    return b"".join((outer, _varint(field << 3 | 2), _varint(chunk_len), head, data_head, data))
 
 
 def tensor_from_bytes(data: bytes, shape, dtype: str):

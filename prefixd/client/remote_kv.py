@@ -11,22 +11,29 @@ import torch
 
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.api import prefixd_pb2_grpc as pb_grpc
-from prefixd.api.tensors import dtype_name, framed_kv, from_kv_chunk, from_tensor_msg, to_tensor_msg
+from prefixd.api.kv_frames import KVFrame, decode_read_reply, framed_kv
+from prefixd.api.tensors import dtype_name, from_tensor_msg, tensor_from_bytes, to_tensor_msg
 from prefixd.client.errors import DataLoss, InvalidArgument
+from prefixd.kernels.token_io import copy_into
 
 HEADROOM_BYTES = 4096  # the message's fields other than the KV bytes
 _WRITE_CHUNK = pb.WriteKVRequest.DESCRIPTOR.fields_by_name["chunk"].number
 
 
 class KVStub(pb_grpc.PrefixCacheStub):
-    """The generated stub, but ``WriteKV`` sends requests encoded by ``write_kv`` itself
-    (``prefixd.api.tensors.framed_kv``: one copy of the KV instead of three)."""
+    """The generated stub, but the KV bytes skip protobuf (``prefixd.api.kv_frames``):
+    ``WriteKV`` sends requests encoded by ``write_kv`` itself (``framed_kv``: one copy of the
+    KV instead of three), and ``ReadKV`` answers ``KVFrame``s whose KV bytes are still the
+    received message's (``decode_read_reply``: none of protobuf's two copies)."""
 
     def __init__(self, channel) -> None:
         super().__init__(channel)
         self.WriteKV = channel.stream_unary("/prefixd.v1.PrefixCache/WriteKV",
                                             request_serializer=None,
                                             response_deserializer=pb.WriteKVReply.FromString)
+        self.ReadKV = channel.unary_stream("/prefixd.v1.PrefixCache/ReadKV",
+                                           request_serializer=pb.ReadKVRequest.SerializeToString,
+                                           response_deserializer=decode_read_reply)
 
 
 
@@ -66,7 +73,8 @@ def write_kv(stub, session_id: int, seq_id: int, start: int, kv: torch.Tensor, b
 def read_kv(stub, session_id: int, seq_id: int, start: int, n: int, layout,
             timeout: float | None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The KV of tokens ``start .. start + n``, assembled from the daemon's chunks into ``out``
-    (or a new CPU tensor).
+    (or a new CPU tensor). ``stub.ReadKV`` answers ``KVFrame``s (``KVStub``) or, from a
+    generated stub, ``ReadKVReply`` messages.
 
     Raises:
         DataLoss: the stream covered another range than the one asked for.
@@ -77,16 +85,17 @@ def read_kv(stub, session_id: int, seq_id: int, start: int, n: int, layout,
     got = 0
     request = pb.ReadKVRequest(session_id=session_id, seq_id=seq_id, start=start, num_tokens=n)
     for reply in stub.ReadKV(request, timeout=timeout):
-        c = reply.chunk
+        frame = KVFrame.of(reply)
+        c = frame.message.chunk
         lo = c.start - start
         if lo < 0 or lo + c.num_tokens > n or list(c.shape)[2:3] != [c.num_tokens]:
             raise DataLoss(f"ReadKV answered tokens {c.start}..{c.start + c.num_tokens} (shape "
                            f"{list(c.shape)}) for a read of {start}..{start + n}")
         try:
-            piece = from_kv_chunk(c)
+            piece = tensor_from_bytes(frame.data, c.shape, c.dtype)
         except ValueError as exc:
             raise DataLoss(f"ReadKV answered a malformed chunk: {exc}") from None
-        out[:, :, lo:lo + c.num_tokens].copy_(piece)
+        copy_into(out[:, :, lo:lo + c.num_tokens], piece)  # in this thread (token_io's NOTE)
         got += c.num_tokens
     if got != n:
         raise DataLoss(f"ReadKV answered {got} of the {n} tokens asked for ({start}..{start + n})")

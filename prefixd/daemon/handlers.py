@@ -2,8 +2,10 @@
 
 NOTE: instead of the generated ``add_PrefixCacheServicer_to_server``, so that a handler may
 answer with an already encoded message (``bytes``): ReadKV frames its KV chunks itself
-(``prefixd.api.tensors.framed_kv``, one copy of the KV instead of three). Every other reply is
-a message, serialized as the generated code would.
+(``prefixd.api.kv_frames.framed_kv``, one copy of the KV instead of three). Every other reply is
+a message, serialized as the generated code would. Requests are decoded by the generated
+classes too, except WriteKV's: ``decode_write_request`` leaves the KV bytes in the received
+message (a ``KVFrame``) instead of protobuf's two copies of them.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from __future__ import annotations
 import grpc
 
 from prefixd.api import prefixd_pb2 as pb
+from prefixd.api.kv_frames import decode_write_request
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["PrefixCache"]
+_DECODERS = {"WriteKV": decode_write_request}  # methods whose requests skip protobuf's copies
 
 
 def _encode(reply) -> bytes:
@@ -21,7 +25,7 @@ def _encode(reply) -> bytes:
 
 def _handler(method, behaviour):
     request = pb.DESCRIPTOR.message_types_by_name[method.input_type.name]
-    decode = getattr(pb, request.name).FromString
+    decode = _DECODERS.get(method.name) or getattr(pb, request.name).FromString
     if method.client_streaming:
         make = (grpc.stream_stream_rpc_method_handler if method.server_streaming
                 else grpc.stream_unary_rpc_method_handler)

@@ -40,9 +40,12 @@ from typing import AsyncIterator, Callable, Iterator
 import torch
 
 from prefixd.api import prefixd_pb2 as pb
-from prefixd.api.tensors import cuda_ipc_handle, framed_kv, tensor_from_bytes, to_tensor_msg
+from prefixd.api.kv_frames import KVFrame, framed_kv
+from prefixd.api.tensors import cuda_ipc_handle, tensor_from_bytes, to_tensor_msg
 from prefixd.api.tiers import TIER_NAMES, Tier
+from prefixd.daemon.kv_staging import StagingBuffer
 from prefixd.kernels import layer_kv, paged_attention, write_kv as write_layer_kv
+from prefixd.kernels.token_io import read_tokens
 from prefixd.daemon.status import RpcFailure, exhausted, invalid, not_found, precondition
 
 log = logging.getLogger(__name__)
@@ -116,8 +119,9 @@ def tokens_per_chunk(layout, max_bytes: int) -> int:
 
 # -- WriteKV -----------------------------------------------------------------------------------
 
-def _chunk_kv(session, chunk: pb.KVChunk, max_bytes: int):
-    """``(seq, kv)`` of a checked chunk; raises ``RpcFailure`` for any bad field."""
+def _chunk_kv(session, chunk: pb.KVChunk, data, max_bytes: int):
+    """``(seq, kv)`` of a checked chunk whose KV bytes are ``data`` (its frame's: see
+    ``prefixd.api.kv_frames``); raises ``RpcFailure`` for any bad field."""
     layout = session.layout
     seq = owned_sequence(session, chunk.seq_id)
     n = chunk.num_tokens
@@ -127,7 +131,6 @@ def _chunk_kv(session, chunk: pb.KVChunk, max_bytes: int):
                       f"{want} for {n} tokens of this session's layout, got {list(chunk.shape)}")
     if chunk.dtype != layout.dtype:
         raise invalid(f"chunk dtype must be the layout's {layout.dtype!r}, got {chunk.dtype!r}")
-    data = chunk.data  # NOTE: protobuf (upb) copies a bytes field at every access: read it once
     if len(data) > max_bytes:  # a message gRPC let in is never refused for our overhead guess
         raise exhausted(f"a chunk of {len(data)} bytes is over the message limit of "
                         f"{max_bytes} bytes: send at most {tokens_per_chunk(layout, max_bytes)} "
@@ -147,7 +150,7 @@ async def write_kv(session, requests: AsyncIterator[pb.WriteKVRequest], max_byte
     Args:
         session: the caller's ``Session`` (resolved from the stream's first request).
         requests: the whole stream, its first request included; every request must name
-            ``session`` and carry a chunk.
+            ``session`` and carry a chunk (``KVFrame``s, as the daemon decodes them, or messages).
         max_bytes: the daemon's message limit (a chunk must fit in it).
 
     Returns:
@@ -162,6 +165,8 @@ async def write_kv(session, requests: AsyncIterator[pb.WriteKVRequest], max_byte
     """
     written = 0
     async for request in requests:
+        frame = KVFrame.of(request)
+        request = frame.message
         try:
             live(session)
             if request.session_id != session.id:
@@ -169,7 +174,7 @@ async def write_kv(session, requests: AsyncIterator[pb.WriteKVRequest], max_byte
                               f"{session.id:#x}, got {request.session_id:#x}")
             if not request.HasField("chunk"):
                 raise invalid("a WriteKV request must carry a chunk")
-            seq, kv = _chunk_kv(session, request.chunk, max_bytes)
+            seq, kv = _chunk_kv(session, request.chunk, frame.data, max_bytes)
         except RpcFailure as failure:
             if written:
                 log.info("writekv chunk refused after a partial write session=%#x written=%d "
@@ -207,19 +212,23 @@ def read_kv(session, request: pb.ReadKVRequest, max_bytes: int) -> Iterator[byte
 
 
 _READ_REPLY_CHUNK = pb.ReadKVReply.DESCRIPTOR.fields_by_name["chunk"].number
+_STAGING = StagingBuffer()  # the loop's, for every stream (see kv_staging)
 
 
 def _read_chunks(session, seq_id: int, start: int, n: int, per: int) -> Iterator[bytes]:
+    layout = session.layout
+    pool = session.pool.store.pool(Tier.DEVICE).tensor
     end = start + n
     at = start
     while True:
         k = min(per, end - at)
         if at != start:
             live(session)
-            owned_sequence(session, seq_id)
-        kv = session.pool.read_kv(seq_id, at, k)
-        # an encoded ReadKVReply, the KV copied once (prefixd.daemon.handlers passes bytes on)
-        yield framed_kv(b"", _READ_REPLY_CHUNK, seq_id, at, kv)
+        seq = owned_sequence(session, seq_id)
+        check_range(seq, at, k)
+        out = _STAGING.take((layout.num_layers, 2, k, layout.num_kv_heads, layout.head_dim), pool.dtype)
+        kv = read_tokens(pool, seq.block_table, at, k, layout.block_size, out)
+        yield framed_kv(b"", _READ_REPLY_CHUNK, seq_id, at, kv)  # encoded: handlers pass bytes on
         at += k
         if at >= end:
             return

@@ -101,21 +101,3 @@ def test_a_cuda_tensor_maps_into_another_process_through_its_handle():  # pragma
     subprocess.run([sys.executable, "-c", code], input=handle, check=True, timeout=120)
     torch.cuda.synchronize()
     assert t.sum().item() == 240
-
-
-def test_framed_kv_is_exactly_protobufs_encoding():
-    """``framed_kv`` hand-builds WriteKV requests and ReadKV replies (one copy of the KV); a
-    receiver parses them with the generated classes, so the bytes must be protobuf's own."""
-    import torch
-
-    from prefixd.api.tensors import framed_kv, to_kv_chunk
-
-    kv = torch.randn(2, 2, 37, 3, 8).half()
-    for piece in (kv, kv[:, :, 5:21], kv[:, :, :0]):
-        want = pb.WriteKVRequest(session_id=2**62 + 3)
-        to_kv_chunk(7, 300, piece, out=want.chunk)
-        outer = pb.WriteKVRequest(session_id=2**62 + 3).SerializeToString()
-        assert framed_kv(outer, 2, 7, 300, piece) == want.SerializeToString()
-        reply = pb.ReadKVReply()
-        to_kv_chunk(7, 0, piece, out=reply.chunk)
-        assert framed_kv(b"", 1, 7, 0, piece) == reply.SerializeToString()
