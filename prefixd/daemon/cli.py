@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve_command(args) -> int:
     setup_logging("info")
+    from prefixd.daemon.heap import keep_message_buffers
     from prefixd.daemon.reload import ConfigSource
     from prefixd.daemon.server import Daemon  # after logging: importing torch takes a moment
     from prefixd.engine.errors import EngineError
@@ -51,6 +52,7 @@ def serve_command(args) -> int:
         setup_logging(config.log_level)
         state_dir = os.path.abspath(args.state_dir or daemon_config.default_state_dir())
         daemon = Daemon(state_dir, engine_config, config, source)
+        keep_message_buffers()  # a process-wide policy: KV messages are MiBs (heap.py)
         return asyncio.run(daemon.run())
     except StateLockedError as exc:
         log.error("not starting: %s", exc)
