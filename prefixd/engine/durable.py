@@ -342,7 +342,7 @@ class DurableCache:
             record = event_records(e, session_id)
             records.append(record)
             blocks += replay_blocks(e)
-        barrier = self.store.sync_async(Tier.DISK) if at >= 0 else None
+        barrier = self.store.sync_async(DISK) if at >= 0 else None  # the int: see TierStore.copy
         pos = order.submit(records, barrier, at)
         self._quarantine.seal(pos)
         if self.event_listener is not None:

@@ -29,9 +29,9 @@ written with another one is refused (``prefixd.engine.errors.StateFormatError``)
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from typing import NamedTuple
-
-import numpy as np
 
 from prefixd.cache import events as ev
 from prefixd.cache.events import BlocksDropped, BlocksMoved, BlocksStored
@@ -44,12 +44,26 @@ ZERO_HASH = b"\x00" * H  # OPEN's "no shared block" (the deepest hash is then th
 RECORDS_VERSION = 3  # 1: moves and drops named every block; 2: device moves carried slots
 
 
+# NOTE: ``array`` rather than ``numpy.asarray(values, "<u4")``: numpy converts a list of Python
+# ints element by element through its dtype discovery and an overflow-checked setitem (~2 us
+# for a 23-slot run, a quarter of ``_submit_events`` in a callgrind of the engine bench);
+# ``array`` packs the same bytes in a third of that and raises OverflowError alike.
+assert array("I").itemsize == 4 and array("Q").itemsize == 8, "array codes I/Q must be u32/u64"
+_SWAP = sys.byteorder != "little"
+
+
 def _u32(values) -> bytes:
-    return np.asarray(values, dtype="<u4").tobytes()
+    packed = array("I", values)
+    if _SWAP:  # pragma: no cover - big-endian hosts
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def _u64(values) -> bytes:
-    return np.asarray(values, dtype="<u8").tobytes()
+    packed = array("Q", values)
+    if _SWAP:  # pragma: no cover - big-endian hosts
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def event_records(event, session_id: int = 0) -> tuple:

@@ -54,3 +54,22 @@ def test_drops_read_back_through_the_run_offsets():
     value = _value(ev.BlocksDropped(DISK, [H1, H2], [3, 4], True))
     assert value[0] == Kind.BLOCK_DROP
     assert records.decode_run(value) == (DISK, 2, H1, H2)
+
+
+def test_slots_and_checksums_are_little_endian_u32_and_u64_at_their_extremes():
+    """The blob's slots and checksums are packed by ``array`` (was numpy): the bytes must be
+    exactly ``<u4`` / ``<u8`` for every value a slot or an xxh3-64 checksum can take."""
+    slots = [0, 1, 2**31, 2**32 - 1]
+    sums = [0, 2**63, 2**64 - 1, 0x0102030405060708]
+    _, _, blob = records.event_records(ev.BlocksMoved(DISK, [H1, H2, H3, H1], slots, sums))
+    want = b"".join(s.to_bytes(4, "little") for s in slots) + b"".join(c.to_bytes(8, "little") for c in sums)
+    assert blob == H1 + H1 + want
+    _, _, put = records.event_records(ev.BlocksStored(H1, [H2], b"t" * 64, [2**32 - 1]))
+    assert put.endswith(b"\xff\xff\xff\xff")
+
+
+@pytest.mark.parametrize("slot", [-1, 2**32])
+def test_a_slot_outside_u32_is_refused_not_wrapped(slot):
+    """A slot that does not fit u32 must raise, never be logged as another slot."""
+    with pytest.raises(OverflowError):
+        records.event_records(ev.BlocksMoved(HOST, [H1], [slot], []))

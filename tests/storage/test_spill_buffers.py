@@ -2,8 +2,11 @@
 
 import threading
 
+import numpy as np
+
 from prefixd.api.tiers import Tier
 from prefixd.storage.pools import DiskPool
+from prefixd.storage.spill_buffers import SpillBuffers
 from tests.storage.conftest import block_data, same_bytes
 
 
@@ -77,3 +80,20 @@ def test_a_spill_takes_the_smallest_idle_buffer_that_fits(make_store, monkeypatc
     assert same_bytes(store.read(Tier.DISK, range(8)), block_data(store.layout, range(8)))
     assert store._spill_buffers.num_allocated == 2
     store.check_invariants()
+
+
+def test_lending_picks_the_smallest_idle_buffer_that_fits_among_many():
+    """The lend scan (a plain loop since ``min(key=shape[0])`` cost most of a spill's
+    instructions) must still take the smallest fitting buffer, and allocate when none fits."""
+    buffers = SpillBuffers(block_bytes=4)
+    rows = np.arange(64, dtype=np.uint8).reshape(16, 4)
+    lent = [buffers.take(rows, list(range(n))) for n in (8, 3, 5, 4, 6)]
+    for snapshot in lent:
+        buffers.give_back(snapshot)
+    assert buffers.num_allocated == 5
+    got = buffers.take(rows, [9, 2, 7, 1])
+    assert got.base.shape[0] == 4 and got.tolist() == rows[[9, 2, 7, 1]].tolist()
+    assert buffers.take(rows, [0, 1]).base.shape[0] == 3
+    assert buffers.take(rows, list(range(7))).base.shape[0] == 8
+    assert buffers.take(rows, list(range(9))).base.shape[0] == 9 and buffers.num_allocated == 6
+    buffers.check_invariants()
