@@ -2,7 +2,7 @@
 
 Each handler runs on the event loop that owns the engine and calls the engine directly (its
 calls take microseconds and never wait for an fsync). A commit's acknowledgment waits for its
-ticket with ``asyncio.wrap_future``: the loop serves other calls meanwhile, so commits of many
+ticket with ``ack_wait.durable``: the loop serves other calls meanwhile, so commits of many
 clients share WAL groups. The KV data path (WriteKV, ReadKV, Attend) is ``kv_rpc``.
 
 Every failure is answered with a status (``status.status_of``): no request, however malformed,
@@ -25,6 +25,7 @@ import prefixd
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.api import prefixd_pb2_grpc as pb_grpc
 from prefixd.api.layout import KVLayout, as_token_bytes
+from prefixd.daemon.ack_wait import durable
 from prefixd.daemon.core import RECOVERING, DaemonCore
 from prefixd.daemon.event_stream import subscribe_events
 from prefixd.daemon.metrics import stats_reply_parts
@@ -127,25 +128,6 @@ def _kv():
     from prefixd.daemon import kv_rpc  # TODO(lead): top-level import once kv_rpc lands
 
     return kv_rpc
-
-
-async def durable(ticket):
-    """The result of an engine ticket, awaited on the loop without a thread.
-
-    NOTE: ``asyncio.wrap_future`` alone chains a cancellation back to the ticket: a call
-    cancelled while its commit was pending (the client died or gave up) cancelled the engine's
-    ticket, and the WAL committer resolving it then raised InvalidStateError ("exception
-    calling callback" in the log). ``shield`` cancels only the handler; the commit goes on.
-    """
-    waiter = asyncio.wrap_future(ticket)
-    waiter.add_done_callback(_retrieve)
-    return await asyncio.shield(waiter)
-
-
-def _retrieve(fut) -> None:
-    """Mark an abandoned waiter's exception as seen (asyncio logs unseen ones at collection)."""
-    if not fut.cancelled():
-        fut.exception()
 
 
 async def _same_session(first, stream, session_id: int):
