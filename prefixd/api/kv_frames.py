@@ -22,13 +22,18 @@ in fact, like every decoded tensor (``prefixd.api.tensors``).
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import math
 
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.api.tensors import dtype_name
 
 _KVCHUNK_DATA = pb.KVChunk.DESCRIPTOR.fields_by_name["data"].number
 _LEN = 2  # the wire type of length-delimited fields (bytes, strings, messages, packed)
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
+_new_bytes.restype = ctypes.py_object
 
 
 class KVFrame:
@@ -124,6 +129,37 @@ def framed_kv(outer: bytes, field: int, seq_id: int, start: int, kv) -> bytes:
     chunk_len = len(head) + len(data_head) + nbytes
     return b"".join((outer, _varint_bytes(field << 3 | _LEN), _varint_bytes(chunk_len), head,
                      data_head, *data))
+
+
+def framed_kv_to_fill(outer: bytes, field: int, seq_id: int, start: int, shape, dtype):
+    """``(message, kv)``: the encoding ``framed_kv`` would make for a ``kv`` of ``shape`` and
+    ``dtype`` (a torch dtype), as a new ``bytes`` object whose KV bytes are left for the
+    caller to fill through ``kv``, a writable CPU tensor over them: the caller gathers the
+    KV straight into the message, with no tensor between (ReadKV's replies).
+
+    NOTE (filling a new ``bytes``): the object comes from ``PyBytes_FromStringAndSize(NULL,
+    n)``, the C API's way to build a ``bytes`` in place: it is writable until anyone else
+    sees it. The caller must fill ``kv`` completely, then drop it, before the message goes
+    anywhere (handing it to gRPC, which copies it at once, is the only use here).
+    """
+    import torch
+
+    n = math.prod(shape)
+    nbytes = n * dtype.itemsize
+    head = pb.KVChunk(seq_id=seq_id, start=start, num_tokens=shape[2], shape=list(shape),
+                      dtype=dtype_name(dtype)).SerializeToString()
+    data_head = _varint_bytes(_KVCHUNK_DATA << 3 | _LEN) + _varint_bytes(nbytes) if nbytes else b""
+    prefix = b"".join((outer, _varint_bytes(field << 3 | _LEN),
+                       _varint_bytes(len(head) + len(data_head) + nbytes), head, data_head))
+    if not nbytes:
+        return prefix, torch.empty(shape, dtype=dtype)
+    message = _new_bytes(None, len(prefix) + nbytes)  # > 1 byte: never a shared singleton
+    address = ctypes.cast(ctypes.c_char_p(message), ctypes.c_void_p).value
+    mem = (ctypes.c_char * len(message)).from_address(address)
+    mem.owner = message  # the view keeps the message alive, as a buffer's view would
+    mem[:len(prefix)] = prefix
+    raw = torch.frombuffer(mem, dtype=torch.uint8, offset=len(prefix), count=nbytes)
+    return message, raw.view(dtype).view(shape)
 
 
 class _Unusual(Exception):

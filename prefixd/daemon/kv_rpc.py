@@ -40,10 +40,9 @@ from typing import AsyncIterator, Callable, Iterator
 import torch
 
 from prefixd.api import prefixd_pb2 as pb
-from prefixd.api.kv_frames import KVFrame, framed_kv
+from prefixd.api.kv_frames import KVFrame, framed_kv_to_fill
 from prefixd.api.tensors import cuda_ipc_handle, tensor_from_bytes, to_tensor_msg
 from prefixd.api.tiers import TIER_NAMES, Tier
-from prefixd.daemon.kv_staging import StagingBuffer
 from prefixd.kernels import layer_kv, paged_attention, write_kv as write_layer_kv
 from prefixd.kernels.token_io import read_tokens
 from prefixd.daemon.status import RpcFailure, exhausted, invalid, not_found, precondition
@@ -212,7 +211,6 @@ def read_kv(session, request: pb.ReadKVRequest, max_bytes: int) -> Iterator[byte
 
 
 _READ_REPLY_CHUNK = pb.ReadKVReply.DESCRIPTOR.fields_by_name["chunk"].number
-_STAGING = StagingBuffer()  # the loop's, for every stream (see kv_staging)
 
 
 def _read_chunks(session, seq_id: int, start: int, n: int, per: int) -> Iterator[bytes]:
@@ -226,9 +224,12 @@ def _read_chunks(session, seq_id: int, start: int, n: int, per: int) -> Iterator
             live(session)
         seq = owned_sequence(session, seq_id)
         check_range(seq, at, k)
-        out = _STAGING.take((layout.num_layers, 2, k, layout.num_kv_heads, layout.head_dim), pool.dtype)
-        kv = read_tokens(pool, seq.block_table, at, k, layout.block_size, out)
-        yield framed_kv(b"", _READ_REPLY_CHUNK, seq_id, at, kv)  # encoded: handlers pass bytes on
+        # the KV gathered straight into an encoded ReadKVReply (handlers pass bytes on as they are)
+        reply, kv = framed_kv_to_fill(b"", _READ_REPLY_CHUNK, seq_id, at, (
+            layout.num_layers, 2, k, layout.num_kv_heads, layout.head_dim), pool.dtype)
+        read_tokens(pool, seq.block_table, at, k, layout.block_size, kv)
+        del kv
+        yield reply
         at += k
         if at >= end:
             return

@@ -6,7 +6,9 @@ import torch
 from google.protobuf.message import DecodeError
 
 from prefixd.api import prefixd_pb2 as pb
-from prefixd.api.kv_frames import KVFrame, decode_kv_frame, decode_read_reply, decode_write_request, framed_kv
+from prefixd.api.kv_frames import (
+    KVFrame, decode_kv_frame, decode_read_reply, decode_write_request, framed_kv, framed_kv_to_fill,
+)
 from prefixd.api.tensors import DTYPES, tensor_from_bytes, to_kv_chunk
 
 SID = 2**62 + 3
@@ -133,3 +135,17 @@ def _varint(n: int) -> bytes:
 
 def _len(b: bytes) -> bytes:
     return _varint(len(b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_message_filled_in_place_is_framed_kvs_encoding(dtype):
+    """ReadKV gathers the KV straight into the reply's bytes (``framed_kv_to_fill``): once
+    filled, the message is byte for byte what ``framed_kv`` makes of the same KV."""
+    dt = getattr(torch, dtype)
+    for kv in (_kv(dtype=dt), _kv(0, dtype=dt)):
+        message, view = framed_kv_to_fill(b"", 1, 7, 300, tuple(kv.shape), dt)
+        assert view.dtype == dt and tuple(view.shape) == tuple(kv.shape)
+        view.view(torch.uint8).copy_(kv.view(torch.uint8))
+        del view
+        assert type(message) is bytes and message == framed_kv(b"", 1, 7, 300, kv)
+        _same(decode_read_reply(message), pb.ReadKVReply.FromString(message))
