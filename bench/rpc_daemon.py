@@ -56,10 +56,12 @@ class BenchDaemon:
         tiny: ``(model_id, device blocks)`` of the KV / Attend layout's pool.
         profile: a path: run the daemon under ``python -m cProfile -o profile`` (written at
             the clean stop).
+        entry: what follows the interpreter instead of ``-m prefixd.daemon.cli`` (a script
+            that wraps the daemon, as ``rpc_stage_probe.py``).
     """
 
     def __init__(self, blocks: tuple[int, int, int], tiny: tuple[str, int],
-                 profile: str | None = None) -> None:
+                 profile: str | None = None, entry: list[str] | None = None) -> None:
         self.base = tempfile.mkdtemp(prefix="pdb-", dir="/tmp")
         self.shm = tempfile.mkdtemp(prefix="prefixd-bench-", dir="/dev/shm")
         self.state_dir = os.path.join(self.base, "state")
@@ -71,6 +73,7 @@ class BenchDaemon:
             f.write(CONFIG.format(shm=self.shm, device=device, host=host, disk=disk,
                                   tiny=tiny[0], tiny_device=tiny[1]))
         self.profile = profile
+        self.entry = entry or ["-m", "prefixd.daemon.cli"]  # rpc_stages.py: a probing wrapper
         self.proc: subprocess.Popen | None = None
         self._log = None
 
@@ -78,7 +81,7 @@ class BenchDaemon:
         self._log = open(self.log_path, "ab")
         prof = ["-m", "cProfile", "-o", self.profile] if self.profile else []
         self.proc = subprocess.Popen(
-            [sys.executable, *prof, "-m", "prefixd.daemon.cli", "serve", "--config",
+            [sys.executable, *prof, *self.entry, "serve", "--config",
              self.config_path, "--state-dir", self.state_dir, "--socket", self.socket],
             stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
             env=dict(os.environ, PYTHONPATH=ROOT))

@@ -1,5 +1,6 @@
 """Smoke tests of ``bench/rpc.py``: it runs against a real daemon and prints every key the
-issue judges (issue 11 item 10). Speed is never asserted here (the bench prints it)."""
+issue judges (issue 11 item 10); and of ``bench/rpc_stages.py``, its stage-by-stage trace.
+Speed is never asserted here (the bench prints it)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,20 @@ def test_rpc_bench_quick_prints_every_judged_key():
     for name in RATIOS:
         assert _positive(out["ratios"][name]), name
         assert name in out["targets"]
+
+
+def test_rpc_stages_prints_every_stage():
+    """``bench/rpc_stages.py`` wraps daemon internals by name (the handlers, ``service.durable``,
+    the WAL committer's ``_gather`` / ``_commit_group``, ``WalEnv.write``): a rename or a move
+    of any of them must fail here, not silently drop a stage from the next investigation."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "rpc_stages.py"),
+                           "--requests", "4", "--warmup", "2"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout)
+    assert out["requests"] == 4
+    for part, keys in (("open", ("client_to_handler", "handler", "engine", "handler_to_client", "echo")),
+                       ("release", ("engine_to_flush", "flush_to_woken", "txn", "resolved_to_resumed",
+                                    "handler_to_client", "echo", "lmdb_commit"))):
+        for key in keys:
+            assert _positive(out[part][key]), (part, key)
