@@ -15,7 +15,6 @@ uses ``asyncio.wrap_future``, which hands the result to the loop's own thread).
 
 from __future__ import annotations
 
-import functools
 import gc
 import logging
 import os
@@ -23,7 +22,8 @@ import time
 from concurrent.futures import Future
 
 from prefixd.api.layout import KVLayout
-from prefixd.engine import kv_io, reclaim, snapshot as ckpt
+from prefixd.engine import kv_io, reclaim
+from prefixd.engine.background import TICK_PERIOD_S, BackgroundWork, poison_on_storage_error
 from prefixd.engine.reclaim import Reclaimed
 from prefixd.engine.errors import DurabilityError
 from prefixd.cache.events import BlocksMoved
@@ -34,30 +34,17 @@ from prefixd.engine.quarantine import Quarantine
 from prefixd.engine.records import CHECKPOINT_BLOCKS, event_records, replay_blocks
 from prefixd.engine.recovery import recover
 from prefixd.crashpoints import crash_point
-from prefixd.storage.errors import StorageError
 from prefixd.api.tiers import Tier
 from prefixd.wal import Wal
 
 log = logging.getLogger(__name__)
 
 DURABILITY = ("index", "crash", "power")
-TICK_PERIOD_S = 0.1  # how often the daemon's loop is expected to call ``DurableCache.tick``
-def _poison_on_storage_error(method):
-    """A storage error inside an operation leaves events that can never be logged (and bytes
-    the kernel may have dropped): poison the log so nothing more is acknowledged; a restart
-    recovers from what is durable."""
-
-    @functools.wraps(method)
-    def guarded(self, *args, **kwargs):
-        try:
-            return method(self, *args, **kwargs)
-        except StorageError as exc:
-            raise self.wal.fail(exc) from exc
-
-    return guarded
+# TICK_PERIOD_S lives in ``background`` with ``tick``; re-exported here, its import path since issue 11
+__all__ = ["DURABILITY", "TICK_PERIOD_S", "DurableCache", "Reclaimed"]
 
 
-class DurableCache:
+class DurableCache(BackgroundWork):
     """A crash-safe prefix cache over one state directory.
 
     Args:
@@ -148,7 +135,7 @@ class DurableCache:
 
     # -- operations --------------------------------------------------------------------------
 
-    @_poison_on_storage_error
+    @poison_on_storage_error
     def open(self, tokens, extra: bytes = b"", *, session_id: int = 0):
         self._expire_if_due()
         cluster = self.cluster  # with a cluster tier: a run past the local match promoted first
@@ -157,14 +144,14 @@ class DurableCache:
         self._log(session_id, keep_headroom=False)  # on the request's path: see ``_log``
         return seq
 
-    @_poison_on_storage_error
+    @poison_on_storage_error
     def extend(self, seq_id: int, tokens) -> list[int]:
         self._expire_if_due()
         slots = self.cache.extend(seq_id, tokens)
         self._log()
         return slots
 
-    @_poison_on_storage_error
+    @poison_on_storage_error
     def fork(self, seq_id: int, num_children: int):
         self._expire_if_due()
         cluster = self.cluster  # fork indexes the parent's full blocks: the policy sees them
@@ -206,7 +193,7 @@ class DurableCache:
         """
         return kv_io.read_kv(self.cache, self.store.pool(Tier.DEVICE).tensor, seq, start, n)
 
-    @_poison_on_storage_error
+    @poison_on_storage_error
     def commit(self, seq_id: int, durability: str = "crash") -> Future:
         """Index the sequence's full blocks; return a ticket for their durability.
 
@@ -233,7 +220,7 @@ class DurableCache:
             self.cluster.after_commit(seq, durability, added)
         return self._make_durable(seq, durability, added)
 
-    @_poison_on_storage_error
+    @poison_on_storage_error
     def release(self, seq_id: int, *, commit: bool = False, durability: str = "crash") -> Future:
         """Drop the sequence (committing it first when asked); returns a ticket resolved with
         ``None`` once that commit is as durable as asked (already done without ``commit``).
@@ -317,12 +304,6 @@ class DurableCache:
             self.checkpoint()
         return pos
 
-    def _keep_headroom(self) -> None:
-        quarantine = self._quarantine
-        if quarantine.low():
-            quarantine.evict_ahead()  # see prefixd.engine.quarantine
-            self._submit_events()
-
     def _submit_events(self, session_id: int = 0) -> int:
         """The events as records, in order, into ``OrderedLog``; the quarantine batch they
         freed is sealed with their last position. A move to disk makes the batch a barrier
@@ -351,71 +332,12 @@ class DurableCache:
         self._tail_blocks += blocks
         return pos
 
-    def _reclaim(self) -> None:
-        """Free before reuse, by watermark (``Quarantine.release_durable``): cheap when idle."""
-        self._quarantine.release_durable()
-
-    def _force_reclaim(self) -> None:
-        """A lower tier is short only of quarantined slots: make their drops durable now (the
-        one place the serving thread waits for the disk and the log), and keep more headroom."""
-        self._submit_events()
-        self._order.settle()
-        if self.wal.sync == "interval":
-            self.wal.commit_now()  # not the next periodic fsync: now
-        else:
-            self.wal.flush().result()  # durable as ``sync`` defines it
-        self._quarantine.after_force()
-
-    @property
-    def forced_reclaims(self) -> int:
-        """How often a tier short only of quarantined slots made the serving thread wait."""
-        return self._quarantine.num_forced
-
-    def _settle(self) -> None:
-        """Log every event and wait until no record is held behind a disk barrier (before a
-        checkpoint dump, which must not include effects whose records are not yet in the log)."""
-        self._submit_events()
-        self._order.settle()
-
     def _serve_setup(self) -> None:
         """After recovery: disk writes behind the caller, and the quarantine bookkeeping."""
         self.store.write_behind = True
         self._quarantine = Quarantine(self.cache, self._order, self.spill_blocks)
 
-    # -- background work -------------------------------------------------------------------------
-
-    @_poison_on_storage_error
-    def spill(self) -> int:
-        """Write-through to disk for the runs waiting for it: queued writes, one fdatasync for
-        the batch on the disk sync thread (their records wait for it in order)."""
-        moved = self.cache.tiering.spill()
-        if moved:
-            self._log()
-        return moved
-
-    def tick(self) -> None:
-        """Periodic work the daemon's loop calls about every 100 ms (``TICK_PERIOD_S``): spill
-        write-through runs waiting for disk (else they wait for ``spill_blocks`` of them), keep
-        the headroom an ``open`` left, and release unclaimed recovered sequences (which every
-        mutating call also does)."""
-        if self.cluster is not None:
-            self._write_down_promoted()
-        self.spill()
-        self._reclaim()
-        self._tick_headroom()
-        self._order.durable_position()  # drops the marks of durable records (else they pile up)
-        self._expire_if_due()
-
-    @_poison_on_storage_error
-    def _tick_headroom(self) -> None:
-        """What an ``open`` left undone when no other call came before the tick."""
-        self._keep_headroom()
-
-    @_poison_on_storage_error
-    def _write_down_promoted(self) -> None:
-        """Runs promoted from the cluster were indexed at the device alone (``ClusterTier.tick``)."""
-        if self.cluster.tick():
-            self._log()
+    # -- recovered sequences -------------------------------------------------------------------
 
     def _expire_if_due(self) -> None:
         """Release the unclaimed recovered sequences once ``reclaim_grace_s`` has passed; run
@@ -429,7 +351,7 @@ class DurableCache:
         self._log()
         return n
 
-    @_poison_on_storage_error
+    @poison_on_storage_error
     def reclaim(self, session_id: int, new_session_id: int | None = None) -> list[Reclaimed]:
         """Reopen the recovered sequences of ``session_id`` on their surviving blocks
         (``prefixd.engine.reclaim``); see ``reclaim.reopen`` for a refusal halfway. They
@@ -443,20 +365,6 @@ class DurableCache:
             self._log(owner)
             out.append(item)
         return out
-
-    @_poison_on_storage_error
-    def checkpoint(self) -> int:
-        """Fold the log into a checkpoint of the current state; returns its lsn."""
-        self._settle()  # every event logged, none held behind a disk barrier: the dump holds
-        # no effect whose record is not in the log before ``lsn``
-        index, seq_values = ckpt.dump_engine(self.cache, self._sessions, self.recovered.values(),
-                                             self.store.file_ids)
-        lsn = self.wal.stats().next_lsn - 1
-        crash_point("checkpoint_dumped")
-        self.wal.checkpoint(lsn, index, seq_values)
-        self._since_checkpoint = self._tail_blocks = 0
-        self._reclaim()
-        return lsn
 
     def close(self) -> None:
         """Log what is pending and close the WAL and the pools (no checkpoint); open tickets
