@@ -40,7 +40,7 @@ class DaemonCore:
         self.sessions = SessionTable(config.lease_s, config.limits)
         self.calls: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
-        self.rpc_times = RpcTimes()  # latency by (method, status), fed by ``service.rpc``
+        self.rpc_times = RpcTimes()  # latency by (method, status), fed by ``rpc_call.rpc``
         self.metrics = None  # the Prometheus endpoint (``metrics_http.MetricsExporter``), if started
         self.in_flight = 0
         self.progress = RecoveryProgress()  # records replayed / to replay while recovering

@@ -15,7 +15,7 @@ NOTE: one builder, two renderings, so a number cannot drift between the scrape a
 The rpc sums a tenant's pools because a client asks about its own tenant and has no use for
 the pool split; a Prometheus query sums the same way with ``sum without (model)``.
 
-``RpcTimes`` is the rpc latency histogram the ``service.rpc`` decorator feeds (method, status).
+``RpcTimes`` is the rpc latency histogram the ``rpc_call.rpc`` decorator feeds (method, status).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Family(NamedTuple):
 class RpcTimes:
     """Latency of the unary rpcs by (method, status), in ``RPC_S_BOUNDS`` buckets.
 
-    Written by ``service.rpc`` on the loop (``observe``: two dict lookups by interned strings,
+    Written by ``rpc_call.rpc`` on the loop (``observe``: two dict lookups by interned strings,
     a bisect, two adds); ``snapshot`` copies it on the loop.
     Invariants: ``_by_status[status][method]`` is ``len(RPC_S_BOUNDS) + 1`` bucket counts
     followed by the sum of the observations.

@@ -3,7 +3,9 @@
 Each handler runs on the event loop that owns the engine and calls the engine directly (its
 calls take microseconds and never wait for an fsync). A commit's acknowledgment waits for its
 ticket with ``ack_wait.durable``: the loop serves other calls meanwhile, so commits of many
-clients share WAL groups. The KV data path (WriteKV, ReadKV, Attend) is ``kv_rpc``.
+clients share WAL groups. The KV data path (WriteKV, ReadKV, Attend) is ``kv_rpc``; the daemon's
+own rpcs (Stats, SubscribeEvents, Status, Checkpoint) are ``admin_rpc.AdminRpcs``, a mixin of
+the servicer; the call wrapper ``rpc`` is ``rpc_call``.
 
 Every failure is answered with a status (``status.status_of``): no request, however malformed,
 raises out of a handler, and a refused call changes nothing.
@@ -12,23 +14,19 @@ raises out of a handler, and a refused call changes nothing.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import shutil
-import time
-from time import perf_counter
 
 import grpc
 
-import prefixd
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.api import prefixd_pb2_grpc as pb_grpc
 from prefixd.api.layout import KVLayout, as_token_bytes
 from prefixd.daemon.ack_wait import durable
-from prefixd.daemon.core import RECOVERING, DaemonCore
-from prefixd.daemon.event_stream import subscribe_events
-from prefixd.daemon.metrics import stats_reply_parts
+from prefixd.daemon.admin_rpc import AdminRpcs
+from prefixd.daemon.core import DaemonCore
+from prefixd.daemon.rpc_call import rpc
 from prefixd.daemon.sessions import Session
 from prefixd.daemon.status import RpcFailure, exhausted, invalid, status_of
 from prefixd.storage.errors import StorageError
@@ -36,42 +34,6 @@ from prefixd.storage.errors import StorageError
 log = logging.getLogger(__name__)
 
 _INT32 = "<i4"
-
-
-def rpc(fn):
-    """Count and time the call, check the daemon serves (unless ``always``), answer failures
-    as statuses."""
-    name = fn.__name__
-
-    @functools.wraps(fn)
-    async def handler(self, request, context):
-        core = self.core
-        core.calls[name] += 1
-        core.in_flight += 1
-        t0 = perf_counter()
-        status = "CANCELLED"
-        try:
-            if name not in _ALWAYS:
-                core.check_serving()
-            reply = await fn(self, request, context)
-            status = "OK"
-            return reply
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
-            core.errors[name] += 1
-            code, message = status_of(exc)
-            status = code.name
-            log.debug("call refused method=%s code=%s message=%s", name, code.name, message)
-            await context.abort(code, message)
-        finally:
-            core.in_flight -= 1
-            core.rpc_times.observe(name, status, perf_counter() - t0)
-
-    return handler
-
-
-_ALWAYS = {"Status"}
 
 
 def tokens_of(raw: bytes) -> bytes:
@@ -139,7 +101,7 @@ async def _same_session(first, stream, session_id: int):
         yield chunk
 
 
-class PrefixCacheService(pb_grpc.PrefixCacheServicer):
+class PrefixCacheService(AdminRpcs, pb_grpc.PrefixCacheServicer):
     """The servicer of ``tenant``'s socket. Every session it makes is stamped with ``tenant``,
     and every call finds sessions of ``tenant`` only."""
 
@@ -354,44 +316,3 @@ class PrefixCacheService(pb_grpc.PrefixCacheServicer):
     async def Attend(self, request, context):
         session = self._session(request.session_id)
         return _kv().attend(session, request, self.core.config.max_message_bytes)
-
-    # -- the daemon ----------------------------------------------------------------------------
-
-    @rpc
-    async def Stats(self, request, context):
-        if request.session_id:
-            self._session(request.session_id)
-        values, doc = stats_reply_parts(self.core, self.tenant)  # the metrics endpoint's numbers
-        return pb.StatsReply(values=values, json=doc)
-
-    async def SubscribeEvents(self, request, context):
-        async for event in subscribe_events(self.core, self.tenant, request, context):
-            yield event
-
-    @rpc
-    async def Status(self, request, context):
-        core = self.core
-        reply = pb.StatusReply(state=core.state, pid=os.getpid(), version=prefixd.__version__,
-                               uptime_s=time.monotonic() - core.started, tenant=self.tenant,
-                               sessions=sum(1 for s in core.sessions if s.tenant == self.tenant))
-        reply.records_replayed, reply.records_total = core.progress.as_tuple()
-        if core.state != RECOVERING and core.engine is not None:
-            for info in core.engine.pools():
-                if info.tenant == self.tenant:
-                    lay = info.layout
-                    reply.pools.add(tenant=info.tenant, model_id=lay.model_id,
-                                    blocks=list(info.num_blocks), capacity=list(info.capacity),
-                                    layout=pb.KVLayout(model_id=lay.model_id,
-                                                       num_layers=lay.num_layers,
-                                                       num_kv_heads=lay.num_kv_heads,
-                                                       head_dim=lay.head_dim, dtype=lay.dtype,
-                                                       block_size=lay.block_size))
-        return reply
-
-    @rpc
-    async def Checkpoint(self, request, context):
-        # NOTE: runs on the loop (the engine is single-threaded): it holds every other call
-        # for the checkpoint's duration, like the periodic one the engine triggers itself.
-        lsns = self.core.engine.checkpoint()
-        log.info("checkpoint on request pools=%d", len(lsns))
-        return pb.CheckpointReply(pools=len(lsns))
