@@ -13,7 +13,7 @@ Needs only torch and triton (and this tree). Steps, each bounded so the whole ru
 4. Extend: a chunk of new tokens on a cached prefix vs SDPA over contiguous K/V with the
    equivalent mask.
 5. CUDA IPC: a durable cache with its device pool on the GPU; its Attach descriptor
-   (``prefixd.daemon.kv_rpc.pool_descriptors``) carries torch's IPC handle, and a second process
+   (``prefixd.daemon.pool_descriptors``) carries torch's IPC handle, and a second process
    maps the pool through it (``prefixd.api.tensors.tensor_from_cuda_ipc``), checks shape,
    strides, dtype and every block's bytes, and writes a block the first process then sees.
    ``--ipc-only`` runs just this case and prints its JSON.
@@ -179,7 +179,7 @@ def check_cuda_ipc(timeout_s: int = 120) -> dict:
         return {"skipped": "no CUDA device visible"}
     from prefixd.api.layout import KVLayout
     from prefixd.api.tiers import Tier
-    from prefixd.daemon.kv_rpc import pool_descriptors
+    from prefixd.daemon.pool_descriptors import pool_descriptors
     from prefixd.engine import DurableCache
 
     t0 = time.perf_counter()

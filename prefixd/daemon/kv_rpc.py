@@ -1,5 +1,5 @@
-"""The KV data path over RPC: ``WriteKV``, ``ReadKV``, ``Attend``, and the pool descriptors a
-client maps instead (DESIGN.md "The API"; issue 11 item 5).
+"""The KV data path over RPC: ``WriteKV``, ``ReadKV`` and ``Attend`` (DESIGN.md "The API"; issue 11
+item 5). The pool descriptors a client maps instead are ``prefixd.daemon.pool_descriptors``.
 
 For clients that cannot map the pools (another user, a container), KV travels through the
 socket as ``KVChunk`` messages: the KV of tokens ``start .. start + num_tokens`` of one
@@ -41,8 +41,8 @@ import torch
 
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.api.kv_frames import KVFrame, framed_kv_to_fill
-from prefixd.api.tensors import cuda_ipc_handle, tensor_from_bytes, to_tensor_msg
-from prefixd.api.tiers import TIER_NAMES, Tier
+from prefixd.api.tensors import tensor_from_bytes, to_tensor_msg
+from prefixd.api.tiers import Tier
 from prefixd.kernels import layer_kv, paged_attention, write_kv as write_layer_kv
 from prefixd.kernels.token_io import read_tokens
 from prefixd.daemon.status import RpcFailure, exhausted, invalid, not_found, precondition
@@ -375,28 +375,3 @@ def prepare_attend(session, request: pb.AttendRequest, max_bytes: int) -> Callab
         return reply
 
     return compute
-
-
-# -- pool descriptors (Attach) -----------------------------------------------------------------
-
-def pool_descriptors(pool) -> list[pb.PoolDescriptor]:
-    """How a client maps the DEVICE and HOST pools of ``pool`` (a ``DurableCache``), for the
-    ``Attach`` reply: an shm file's path, offset, shape, strides (elements), dtype and file id;
-    or, for a CUDA device pool (no file), torch's CUDA IPC handle of the pool tensor and its
-    device (``prefixd.api.tensors.tensor_from_cuda_ipc`` maps it in another process)."""
-    store = pool.store
-    out = []
-    for tier in (Tier.DEVICE, Tier.HOST):
-        if tier not in store.tiers:
-            continue
-        d = store.descriptor(tier)
-        msg = pb.PoolDescriptor(tier=TIER_NAMES[tier], shape=d["shape"], strides=d["strides"],
-                                dtype=d["dtype"])
-        if d["path"] is None:
-            tensor = store.pool(tier).tensor
-            msg.cuda_ipc = cuda_ipc_handle(tensor)
-            msg.cuda_device = tensor.device.index or 0
-        else:
-            msg.path, msg.offset, msg.file_id = d["path"], d["offset"], d["file_id"]
-        out.append(msg)
-    return out

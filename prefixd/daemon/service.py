@@ -26,6 +26,7 @@ from prefixd.api.layout import KVLayout, as_token_bytes
 from prefixd.daemon.ack_wait import durable
 from prefixd.daemon.admin_rpc import AdminRpcs
 from prefixd.daemon.core import DaemonCore
+from prefixd.daemon.pool_descriptors import pool_descriptors
 from prefixd.daemon.rpc_call import rpc
 from prefixd.daemon.sessions import Session
 from prefixd.daemon.status import RpcFailure, exhausted, invalid, status_of
@@ -144,7 +145,7 @@ class PrefixCacheService(AdminRpcs, pb_grpc.PrefixCacheServicer):
         pool = self._pool(layout)
         session = self.core.sessions.attach(self.tenant, name, layout, pool)
         return pb.AttachReply(session_id=session.id, lease_s=self.core.config.lease_s,
-                              pools=_kv().pool_descriptors(pool), tenant=self.tenant,
+                              pools=pool_descriptors(pool), tenant=self.tenant,
                               epoch=self.core.epoch,
                               max_message_bytes=self.core.config.max_message_bytes)
 

@@ -10,6 +10,7 @@ import torch
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.api.tensors import from_kv_chunk, to_kv_chunk
 from prefixd.daemon import kv_rpc
+from prefixd.daemon.pool_descriptors import pool_descriptors
 from tests.daemon.kv_rpc_helpers import (
     BS, LAYOUT, assert_same_state, kv_for, open_seq, read, read_chunks, refusal, request,
     sessions, state, write,
@@ -240,7 +241,7 @@ def test_pool_descriptors_map_the_cpu_pools_byte_for_byte(env):
     seq = open_seq(s, list(range(10)))
     write(s, [request(s, seq.id, 0, kv_for(0, 10))])
     pool.commit(seq.id, "crash").result(timeout=30)  # write-through: the blocks reach HOST
-    descs = kv_rpc.pool_descriptors(pool)
+    descs = pool_descriptors(pool)
     assert [d.tier for d in descs] == ["device", "host"]
     for d, tier in zip(descs, (0, 1)):
         tensor = pool.store.pool(tier).tensor
@@ -259,7 +260,7 @@ def test_pool_descriptors_map_the_cpu_pools_byte_for_byte(env):
 
 def test_pool_descriptors_skip_an_absent_host_tier(tmp_path):
     with sessions(tmp_path, sizes=(8, 0, 8)) as (pool, _):
-        assert [d.tier for d in kv_rpc.pool_descriptors(pool)] == ["device"]
+        assert [d.tier for d in pool_descriptors(pool)] == ["device"]
 
 
 @pytest.mark.gpu
@@ -269,7 +270,7 @@ def test_a_cuda_device_pool_is_described_by_its_ipc_handle(tmp_path):  # pragma:
 
     with cache_factory(tmp_path, LAYOUT, (8, 8, 0), use_cuda=True) as make:
         pool = make()
-        device, host = kv_rpc.pool_descriptors(pool)
+        device, host = pool_descriptors(pool)
         assert device.tier == "device" and device.path == "" and device.cuda_ipc
         assert device.cuda_device == pool.store.pool(0).tensor.device.index
         _, args = load_cuda_ipc(device.cuda_ipc)
