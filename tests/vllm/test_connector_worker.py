@@ -40,6 +40,17 @@ def daemon():
         yield d
 
 
+
+def _compute_and_save(scheduler, worker, req_id, prompt, block_ids=(4, 5, 6, 7)) -> None:
+    """One request that misses: the scheduler plans it, the worker saves its full blocks, and
+    the report reaches the scheduler (which commits the prompt)."""
+    assert scheduler.num_new_matched_tokens(req_id, prompt, 0) == 0
+    scheduler.after_alloc(req_id, prompt, 0)
+    plan = scheduler.build_plan([(req_id, list(block_ids), 0)], [], {req_id: len(prompt)})
+    worker.load(plan)
+    worker.save(plan)
+    scheduler.on_report(worker.take_report())
+
 def test_saved_blocks_load_back_into_other_blocks(daemon):
     tokens = list(range(1000, 1000 + 2 * BS + 3))
     src, dst = _tensors(1), _tensors()
@@ -74,12 +85,7 @@ def test_two_connectors_share_a_prompt_while_the_first_still_decodes(daemon):
     prompt = list(range(9000, 9000 + 3 * BS + 7))
     src, dst = _tensors(3), _tensors()
     a, wa = scheduler("vllm-a"), _worker(daemon.socket, src)
-    assert a.num_new_matched_tokens("a1", prompt, 0) == 0
-    a.after_alloc("a1", prompt, 0)
-    plan = a.build_plan([("a1", [4, 5, 6, 7], 0)], [], {"a1": len(prompt)})
-    wa.load(plan)
-    wa.save(plan)
-    a.on_report(wa.take_report())
+    _compute_and_save(a, wa, "a1", prompt)
     b, wb = scheduler("vllm-b"), _worker(daemon.socket, dst)
     assert b.num_new_matched_tokens("b1", prompt, 0) == 3 * BS
     b.after_alloc("b1", prompt, 3 * BS)
@@ -146,12 +152,7 @@ def test_an_idle_connector_hits_on_its_first_request_after_a_daemon_restart(daem
     a = SchedulerSide(DaemonLink(daemon.socket, LAYOUT, "idle-scheduler", mapped=False, timeout_s=5, retry_s=2.0),
                       BS, "crash")
     w = _worker(daemon.socket, src)
-    assert a.num_new_matched_tokens("r1", prompt, 0) == 0
-    a.after_alloc("r1", prompt, 0)
-    plan = a.build_plan([("r1", [4, 5, 6, 7], 0)], [], {"r1": len(prompt)})
-    w.load(plan)
-    w.save(plan)
-    a.on_report(w.take_report())
+    _compute_and_save(a, w, "r1", prompt)
     a.finished("r1")
     assert a.stats.committed == 1
     old_epoch, saved = a.link.epoch(), {n: src[n][4:7].clone() for n in NAMES}
