@@ -4,10 +4,19 @@ For each n: a state directory is built through ``DurableCache`` itself (the same
 requests, ``sync="none"`` and ``durability="index"`` to build fast): shared system prompts
 (8-150 blocks) with many conversations branching off them and further turns branching off
 those (8-150 blocks each), written through to a disk tier until n blocks are cached; a
-checkpoint is taken (``checkpoint_write_s``); then a tail of exactly ``--tail`` log records of
-realistic traffic (new turns, re-opens of cached prefixes, commits of new blocks, releases,
-device/host/disk evictions) is appended after it, and the cache is closed without another
-checkpoint. The page cache is dropped (root only; ``page_cache_dropped`` says whether it was),
+checkpoint is taken (``checkpoint_write_s``); then a tail of realistic traffic (new turns,
+re-opens of cached prefixes, commits of new blocks, releases, device/host/disk evictions) is
+appended after it, and the cache is closed without another checkpoint.
+
+Which tail. ``recovery.<n>`` (the headline) serves that traffic under the engine's DEFAULT
+checkpoint trigger (``checkpoint_records`` records or ``checkpoint_blocks`` blocks that replay
+decodes, whichever comes first, read from ``DurableCache``'s own defaults) until the trigger
+fires, and skips the checkpoint it asks for: the largest tail a restart under the default
+configuration can meet (a crash just before that checkpoint; one engine call past the
+threshold). ``forced_tail.<n>`` forces exactly ``--tail`` (100k) records whatever they name:
+with this traffic 100k records name ~3.5M blocks, a tail the default trigger folds long
+before (it fires at 500k decoded blocks, ~15k records), so no restart under the defaults
+replays it; it is kept as a stress case, not the headline. The page cache is dropped (root only; ``page_cache_dropped`` says whether it was),
 then a FRESH Python process opens the state directory: it stamps the time on its first line,
 imports ``prefixd``, and constructs ``DurableCache`` (the constructor is recovery); its
 ``recovery`` phases come back as JSON. Done with ``verify="lazy"`` and ``"eager"``.
@@ -34,13 +43,14 @@ and blocks (``tail_blocks``), checkpoints taken while serving and their time, an
 recovery (``ready_s``: median of ``--long-repeats``).
 
 Usage: ``python bench/recovery.py --json [--sizes 10000,100000,1000000] [--tail 100000]
-[--long-size 1000000] [--wal-reps 7]`` (``--sizes ""``, ``--long-size 0``, ``--wal-reps 0`` skip
-a part).
+[--long-size 1000000] [--wal-reps 7]`` (``--sizes ""``, ``--tail 0``, ``--long-size 0``,
+``--wal-reps 0`` skip a part).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import shutil
@@ -123,8 +133,17 @@ def serve(dc: DurableCache, prompt: bytes) -> None:
     dc.release(seq.id)
 
 
-def build(state: str, shm: str, n: int, tail: int, seed: int = 0) -> dict:
-    """Build a state dir: n blocks in the checkpoint, then ``tail`` records after it."""
+def default_trigger() -> tuple[int, int]:
+    """The engine's default checkpoint trigger: ``(checkpoint_records, checkpoint_blocks)``."""
+    params = inspect.signature(DurableCache).parameters
+    return params["checkpoint_records"].default, params["checkpoint_blocks"].default
+
+
+def build(state: str, shm: str, n: int, tail: int | None, seed: int = 0) -> dict:
+    """Build a state dir: n blocks in the checkpoint, then a tail after it: ``tail`` records
+    exactly, or (``tail=None``) as long as the engine's default checkpoint trigger allows, up
+    to the engine call that makes it fire (its checkpoint is skipped, as a crash right then
+    would skip it)."""
     disk = n + max(n // 20, 20_000)
     sizes = (DEVICE_BLOCKS, HOST_BLOCKS, disk)
     traffic = Traffic(seed, num_systems=max(8, n // 5000))
@@ -155,27 +174,51 @@ def build(state: str, shm: str, n: int, tail: int, seed: int = 0) -> dict:
     # the tail: shorter new turns (a chat's next question), re-opens of cached prefixes
     counts: dict[str, int] = {}
     tail_requests = 0
-    while dc.wal.stats().next_lsn - 1 - ckpt_lsn < tail - 40:
-        serve(dc, traffic.next_prompt(1, 24, p_new=0.3))
-        tail_requests += 1
-        if tail_requests % 50 == 0:
-            dc.spill()
-    dc._log()
-    extra = tail - (dc.wal.stats().next_lsn - 1 - ckpt_lsn)
-    for _ in range(max(extra, 0)):  # top up to exactly ``tail`` with cheap lookups turned opens
-        seq = dc.open(traffic.systems[0][: 4 * BLOCK_SIZE * 2 + 4])
-        dc.release(seq.id)
-        if dc.wal.stats().next_lsn - 1 - ckpt_lsn >= tail:
-            break
+    if tail is None:
+        tail_requests = default_tail(dc, traffic)
+    else:
+        while dc.wal.stats().next_lsn - 1 - ckpt_lsn < tail - 40:
+            serve(dc, traffic.next_prompt(1, 24, p_new=0.3))
+            tail_requests += 1
+            if tail_requests % 50 == 0:
+                dc.spill()
+        dc._log()
+        extra = tail - (dc.wal.stats().next_lsn - 1 - ckpt_lsn)
+        for _ in range(max(extra, 0)):  # top up to exactly ``tail`` with cheap lookups turned opens
+            seq = dc.open(traffic.systems[0][: 4 * BLOCK_SIZE * 2 + 4])
+            dc.release(seq.id)
+            if dc.wal.stats().next_lsn - 1 - ckpt_lsn >= tail:
+                break
     dc._log()
     tail_records, tail_blocks = log_tail(dc, ckpt_lsn, counts)
     final_blocks = list(tree.num_blocks_in)
     dc.close()
-    return {"sizes": list(sizes), "build_s": round(build_s, 2), "build_requests": requests,
+    return {"sizes": list(sizes), "tail": "default_trigger" if tail is None else f"{tail} records",
+            "build_s": round(build_s, 2), "build_requests": requests,
             "checkpoint_write_s": round(checkpoint_write_s, 3),
             "checkpoint_blocks_by_tier": ckpt_blocks, "checkpoint_nodes": ckpt_nodes,
             "tail_records": tail_records, "tail_blocks": tail_blocks, "tail_requests": tail_requests,
             "tail_kinds": counts, "blocks_by_tier_at_close": final_blocks}
+
+
+def default_tail(dc: DurableCache, traffic: Traffic) -> int:
+    """Serve tail traffic under the engine's default checkpoint trigger until it fires; the
+    checkpoint it asks for is not taken (a crash before it leaves this tail). Returns the
+    requests served (the last one may stop half way: open, commit or release)."""
+    dc.checkpoint_records, dc.checkpoint_blocks = default_trigger()
+    fired = []
+    dc.checkpoint = lambda: fired.append(1)  # the trigger's call, skipped (see the docstring)
+    requests = 0
+    while not fired:
+        seq = dc.open(traffic.next_prompt(1, 24, p_new=0.3))
+        if not fired:
+            dc.commit(seq.id, "index").result()
+        if not fired:
+            dc.release(seq.id)
+        requests += 1
+        if not fired and requests % 50 == 0:
+            dc.spill()
+    return requests
 
 
 def log_tail(dc: DurableCache, after_lsn: int, counts: dict | None = None) -> tuple[int, int]:
@@ -272,6 +315,31 @@ def long_section(root: str, shm: str, n: int, prompt_tokens: int, repeats: int) 
     return out
 
 
+def size_case(root: str, shm: str, n: int, tail: int | None, repeats: int, keep: bool,
+              eager: bool) -> dict:
+    """Build n blocks and a tail (``build``), then ``repeats`` cold lazy recoveries (and one
+    eager): ``ready_s`` is the lazy median."""
+    name = f"{n}-default" if tail is None else f"{n}-tail{tail}"
+    state = os.path.join(root, f"state{name}")
+    shm_n = os.path.join(shm, name)
+    os.makedirs(shm_n)
+    built = build(state, shm_n, n, tail)
+    entry = {"build": built}
+    # each recovery appends one RECOVER record: the tail grows by one per run
+    runs = [recover(state, shm_n, built["sizes"], "lazy") for _ in range(repeats)]
+    runs.sort(key=lambda r: r["ready_s"])
+    entry["lazy"] = runs[len(runs) // 2]  # the median run, all its phases
+    entry["lazy_ready_s_runs"] = [r["ready_s"] for r in runs]
+    entry["ready_s"] = entry["lazy"]["ready_s"]
+    if eager:
+        entry["eager"] = recover(state, shm_n, built["sizes"], "eager")
+        entry["eager_ready_s"] = entry["eager"]["ready_s"]
+    if not keep:
+        shutil.rmtree(state, ignore_errors=True)
+        shutil.rmtree(shm_n, ignore_errors=True)
+    return entry
+
+
 def drop_page_cache() -> bool:
     try:
         os.sync()
@@ -342,7 +410,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object (the default output)")
     ap.add_argument("--sizes", default="10000,100000,1000000")
-    ap.add_argument("--tail", type=int, default=100_000, help="log records after the checkpoint")
+    ap.add_argument("--tail", type=int, default=100_000,
+                    help="records of the forced-tail case, forced_tail.<n> (0: skip it)")
     ap.add_argument("--repeats", type=int, default=5, help="cold lazy recoveries per size (median reported)")
     ap.add_argument("--wal-reps", type=int, default=7)
     ap.add_argument("--wal-records", type=int, default=19_200)
@@ -360,7 +429,11 @@ def main() -> None:
                     "params": {"layout": "1 layer, 1 kv head, head_dim 2, float32, 16 tokens/block "
                                          "(256 B/block): tiny on purpose, the bench is about the index",
                                "device_blocks": DEVICE_BLOCKS, "host_blocks": HOST_BLOCKS,
-                               "tail_records": args.tail, "wal_sync": "commit (recovery opens)",
+                               "tail": "recovery.<n>: the largest tail the engine's default checkpoint "
+                                       "trigger leaves (checkpoint_records, checkpoint_blocks = "
+                                       f"{default_trigger()}); forced_tail.<n>: exactly "
+                                       f"{args.tail} records whatever they name",
+                               "wal_sync": "commit (recovery opens)",
                                "ready_s": "DurableCache() constructor: open -> ready (imports excluded; "
                                           "see import_s and process_to_ready_s); the median of "
                                           "`repeats` cold lazy recoveries, eager once",
@@ -369,23 +442,10 @@ def main() -> None:
                                "host": f"{os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f} at start"}}
     try:
         for n in sizes:
-            state = os.path.join(root, f"state{n}")
-            shm_n = os.path.join(shm, str(n))
-            os.makedirs(shm_n)
-            built = build(state, shm_n, n, args.tail)
-            entry = {"build": built}
-            # each recovery appends one RECOVER record: the tail grows by one per run
-            runs = [recover(state, shm_n, built["sizes"], "lazy") for _ in range(args.repeats)]
-            runs.sort(key=lambda r: r["ready_s"])
-            entry["lazy"] = runs[len(runs) // 2]  # the median run, all its phases
-            entry["lazy_ready_s_runs"] = [r["ready_s"] for r in runs]
-            entry["eager"] = recover(state, shm_n, built["sizes"], "eager")
-            entry["ready_s"] = entry["lazy"]["ready_s"]
-            entry["eager_ready_s"] = entry["eager"]["ready_s"]
-            result[f"recovery.{n}"] = entry
-            if not args.keep:
-                shutil.rmtree(state, ignore_errors=True)
-                shutil.rmtree(shm_n, ignore_errors=True)
+            result[f"recovery.{n}"] = size_case(root, shm, n, None, args.repeats, args.keep, eager=True)
+            if args.tail:
+                result[f"forced_tail.{n}"] = size_case(root, shm, n, args.tail, args.repeats, args.keep,
+                                                       eager=False)
         if args.long_size:
             result["long_prompt"] = long_section(root, shm, args.long_size, args.long_prompt_tokens,
                                                  args.long_repeats)
