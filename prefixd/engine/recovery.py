@@ -12,9 +12,6 @@ import logging
 import os
 import struct
 import time
-from itertools import chain
-
-import numpy as np
 
 from prefixd.engine import snapshot as ckpt
 from prefixd.cache.errors import CacheError
@@ -91,7 +88,7 @@ def _recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify
     try:
         # NOTE: the checkpoint is read inside one read transaction, straight from the map: a
         # 1M-block checkpoint is ~90 MB, and joining its chunks first cost a copy of all of it.
-        lsn, first_start, keep_host, ckpt_meta, ckpt_nodes, ckpt_hashes, seqs, lost = wal.with_checkpoint(
+        lsn, first_start, keep_host, loaded, seqs, lost = wal.with_checkpoint(
             lambda lsn, index, seq_values: _from_checkpoint(
                 self, lsn, index, seq_values, layout, sizes, tenant_salt, write_policy, policy,
                 shm_dir, use_cuda))
@@ -100,8 +97,9 @@ def _recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify
         t2 = time.perf_counter()
         phases["checkpoint_load_s"] = t2 - t
         replayer = Replayer(tree, seqs, cache.block_bytes)
-        if ckpt_nodes:
-            replayer.use_checkpoint(ckpt_nodes, ckpt_hashes)
+        ckpt_meta, placed = loaded.meta, loaded.placed
+        if loaded.nodes:
+            replayer.use_checkpoint(loaded.nodes, loaded.hash_lo)
         for seq in seqs.values():  # checkpointed sequences name their node by hash
             if isinstance(seq[1], bytes):
                 seq[1] = replayer.ending_at(seq[1])
@@ -125,8 +123,7 @@ def _recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify
     order = list(tree.nodes())  # one walk serves the allocators and the queues
     slot_lists = [n.slots for n in order]
     for tier in (HOST, DISK):
-        used = np.fromiter(chain.from_iterable([s[tier] for s in slot_lists if s[tier] is not None]),
-                           dtype=np.int64)
+        used = placed.used(slot_lists, tier)
         if cache.allocators[tier] is not None:
             cache.allocators[tier].take(used)
         elif used.size:
@@ -226,14 +223,14 @@ def _from_checkpoint(self, lsn, index, seq_values, layout, sizes, tenant_salt, w
     tree = cache.tree
     seqs: dict = {}
     try:
-        ckpt_meta, ckpt_nodes, ckpt_hashes = ckpt.load(tree, index, cache.block_bytes)
+        loaded = ckpt.load(tree, index, cache.block_bytes)
         if seq_values:
             for seq_id, session_id, deepest, extra in msgpack.unpackb(ckpt.whole(seq_values[b"seqs"])):
                 root_node = tree.root(extra)
                 seqs[seq_id] = [session_id, root_node if deepest == ZERO_HASH else deepest, extra]
     except _UNDECODABLE as exc:  # every chunk passed its checksum: written wrong, or damaged in place
         raise WalCorruptError(lsn, f"the checkpoint does not decode: {exc!r}", self.state_dir) from exc
-    return lsn, first_start, keep_host, ckpt_meta, ckpt_nodes, ckpt_hashes, seqs, lost
+    return lsn, first_start, keep_host, loaded, seqs, lost
 
 
 def _saved_file_ids(index, lsn: int, state_dir: str, keep_host: bool) -> dict:

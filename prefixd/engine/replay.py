@@ -33,6 +33,7 @@ import numpy as np
 
 from prefixd.cache.node import DEVICE, Node, split
 from prefixd.engine import records
+from prefixd.engine.packed_node import run_ends
 from prefixd.engine.reconcile import reconcile, shallow_first
 from prefixd.engine.records import RUN, unpacker
 from prefixd.wal.codec import CRC_SIZE, encode
@@ -76,19 +77,21 @@ class Replayer:
         self.device_runs: list[Node] = []
         self.max_seq_id = 0  # the highest sequence id an OPEN or FORK record named
         self.device_runs_missed = 0  # restarts whose device runs were not all tracked (a bug)
-        # (nodes, every block hash, first 8 bytes of each as u64, first block of each node)
+        # (nodes, the first 8 bytes of every block hash as u64, first block of each node)
         self._ckpt: tuple | None = None
 
-    def use_checkpoint(self, nodes: list[Node], hashes: np.ndarray) -> None:
+    def use_checkpoint(self, nodes: list[Node], hash_lo: np.ndarray) -> None:
         """Index the checkpoint's runs by their first and last hash only; any other block of
-        theirs is found in ``hashes`` (every checkpoint block's hash, in node order, as a
-        contiguous ``V16`` array) when a record names it. Call before the first record."""
-        hash_lo = hashes.view("<u8")[0::2].copy()  # first 8 bytes of each, searched first
+        theirs is found through ``hash_lo`` (the first 8 bytes of every checkpoint block's
+        hash as u64, in node order, as ``snapshot.load`` returns them; or the whole hashes
+        as a contiguous ``V16`` array) when a record names it. Call before the first record."""
+        if hash_lo.dtype.kind == "V":
+            hash_lo = hash_lo.view("<u8")[0::2]
         starts, total = [], 0
         for node in nodes:
             starts.append(total)
             total += node.num_blocks
-        self._ckpt = (nodes, hashes, hash_lo, starts)
+        self._ckpt = (nodes, hash_lo, starts)
         self.device_runs += [node for node in nodes if node.slots[DEVICE] is not None]
 
     # -- the hash map ------------------------------------------------------------------------
@@ -97,10 +100,10 @@ class Replayer:
         if self._ckpt is not None:
             where, runs = {}, self.runs
             for node in self._ckpt[0]:
-                hashes = node.hashes
-                where[hashes[0]] = node
-                where[hashes[-1]] = node
-                runs[hashes[0] + hashes[-1]] = node
+                first, last = run_ends(node)  # a loaded run's hashes stay packed
+                where[first] = node
+                where[last] = node
+                runs[first + last] = node
             for root in self.tree.roots.values():
                 where[root.hashes[-1]] = root
             self.where = where
@@ -134,25 +137,20 @@ class Replayer:
         """
         if self._ckpt is None:
             return None
-        nodes, hashes, hash_lo, starts = self._ckpt
+        nodes, hash_lo, starts = self._ckpt
         for i in np.flatnonzero(hash_lo == int.from_bytes(h[:8], "little")).tolist():
-            if hashes[i].tobytes() == h:
-                break
-        else:
-            return None
-        node = nodes[bisect_right(starts, i) - 1]
-        slots = node.slots
-        if (slots[0] is None and slots[1] is None and slots[2] is None) or h not in node.hashes:
-            return None
-        return node
+            node = nodes[bisect_right(starts, i) - 1]
+            slots = node.slots
+            if (slots[0] is not None or slots[1] is not None or slots[2] is not None) and h in node.hashes:
+                return node  # h itself: its first 8 bytes may be another's, or a split moved it
+        return None
 
     def ending_at(self, h: bytes) -> Node:
         """The node whose last block is ``h`` (splitting the run holding it if needed)."""
         node = self._node_of(h)
-        hashes = node.hashes
-        if hashes[-1] == h or node.parent is None:
+        if node.parent is None or node.last_hash == h:  # (a loaded run stays packed)
             return node
-        return self._split(node, hashes.index(h) + 1)
+        return self._split(node, node.hashes.index(h) + 1)
 
     def run(self, first: bytes, last: bytes, n: int, lsn: int = 0) -> Node:
         """The node holding exactly the ``n`` blocks ``first .. last`` (cut at both ends as needed)."""

@@ -25,12 +25,15 @@ thousands of runs); per-block data moves as whole arrays.
 from __future__ import annotations
 
 import gc
+from itertools import chain
+from typing import NamedTuple
 
 import msgpack
 import numpy as np
 
 from prefixd.engine.errors import StateFormatError
 from prefixd.cache.node import DEVICE, DISK, HOST, Node, new_root
+from prefixd.engine.packed_node import PackedNode, packed_checksums, packed_hashes
 from prefixd.engine.records import RECORDS_VERSION, ZERO_HASH
 
 
@@ -52,17 +55,18 @@ def dump(cache, extra_meta: dict, seqs: list) -> tuple[dict[bytes, bytes], dict[
             last.append(node.last_access)
             hits.append(node.hit_count)
             prio.append(node.priority)
-            hashes += node.hashes
+            hashes.append(packed_hashes(node))  # a run loaded by a restart and not read since: as loaded
             tokens.append(node.tokens)
             on_device, on_host, on_disk = node.slots
             if on_host is not None:
                 host += on_host
             if on_disk is not None:
                 disk += on_disk
-            if node.checksums is not None:
-                sums += node.checksums
+            node_sums = packed_checksums(node)
+            if node_sums is not None:
+                sums.append(node_sums)
             flags.append((on_device is not None) | (on_host is not None) << 1 | (on_disk is not None) << 2
-                         | (node.checksums is not None) << 3)
+                         | (node_sums is not None) << 3)
             me = index_of[id(node)]
             stack.extend((child, me) for child in reversed(list(node.children.values())))
     index = {
@@ -76,7 +80,7 @@ def dump(cache, extra_meta: dict, seqs: list) -> tuple[dict[bytes, bytes], dict[
         b"blocks.tokens": b"".join(tokens),
         b"blocks.host": np.asarray(host, "<u4").tobytes(),
         b"blocks.disk": np.asarray(disk, "<u4").tobytes(),
-        b"blocks.sums": np.asarray(sums, "<u8").tobytes(),
+        b"blocks.sums": b"".join(sums),
         b"roots": msgpack.packb([[extra, root.hashes[-1]] for extra, root in roots]),
         b"meta": msgpack.packb({"block_size": cache.block_size, "clock": tree.clock,
                                 "records_version": RECORDS_VERSION, **extra_meta}),
@@ -102,12 +106,37 @@ def _column(value, dtype: str) -> list:
     return out
 
 
-def _array(value, dtype: str) -> np.ndarray:
-    """A numpy column as one array that outlives the read transaction (chunks are copied once)."""
-    if isinstance(value, (bytes, bytearray)):
-        return np.frombuffer(value, dtype)
-    chunks = [value] if isinstance(value, memoryview) else value
-    return np.concatenate([np.frombuffer(c, dtype) for c in chunks] or [np.zeros(0, dtype)])
+class _Items:
+    """A per-block column given whole or as equal-size chunks (each a whole number of items:
+    chunks are 1 MiB), read in place: ``tolist(a, b)`` lists items ``a .. b - 1``.
+
+    NOTE: the chunks are not joined: host and disk slots, checksums and hashes are ~30 MB at
+    1M blocks, and each node's items are read once, from the chunk that holds them (valid
+    only inside the read transaction, like the chunks)."""
+
+    __slots__ = ("arrays", "per", "size")
+
+    def __init__(self, value, dtype: str) -> None:
+        chunks = [value] if isinstance(value, (bytes, bytearray, memoryview)) else list(value)
+        arrays = [np.frombuffer(c, dtype) for c in chunks] or [np.zeros(0, dtype)]
+        if any(len(a) != len(arrays[0]) for a in arrays[:-1]):
+            raise ValueError("checkpoint chunks of one value differ in size")
+        self.arrays = arrays
+        self.per = max(len(arrays[0]), 1)
+        self.size = sum(len(a) for a in arrays)
+
+    def tolist(self, a: int, b: int) -> list:
+        per = self.per
+        i = a // per
+        if b <= (i + 1) * per:
+            return self.arrays[i][a - i * per:b - i * per].tolist()
+        out: list = []
+        while a < b:
+            i = a // per
+            end = min(b, (i + 1) * per)
+            out += self.arrays[i][a - i * per:end - i * per].tolist()
+            a = end
+        return out
 
 
 class _Slices:
@@ -128,6 +157,46 @@ class _Slices:
         return b"".join([chunks[i][a - i * size:], *chunks[i + 1:j], chunks[j][:b - j * size]])
 
 
+class PlacedSlots:
+    """The host and disk slot lists a checkpoint load placed, in column order, with their
+    columns, so that recovery lists the slots of the final tree (``used``) without reading
+    a million Python ints back one by one.
+
+    NOTE: a node's slot list is never changed in place (a split, a move or a drop replaces
+    or clears it), so a list that is still one the load placed holds exactly its column
+    range. The lists stay referenced here, so no other list can take the id of one of them
+    while this lives.
+    """
+
+    def __init__(self) -> None:
+        self.lists: dict[int, list[list[int]]] = {HOST: [], DISK: []}
+        self.columns: dict[int, np.ndarray] = {HOST: np.zeros(0, "<u4"), DISK: np.zeros(0, "<u4")}
+
+    def used(self, slot_lists: list[list | None], tier: int) -> np.ndarray:
+        """Every slot of ``tier`` in ``slot_lists`` (each node's ``slots``), as int64: the
+        column ranges of lists the load placed, then the items of any other."""
+        at, pos = {}, 0
+        for placed in self.lists[tier]:
+            at[id(placed)] = pos
+            pos += len(placed)
+        starts, lens, others = [], [], []
+        get = at.get
+        for slots in slot_lists:
+            s = slots[tier]
+            if s is not None:
+                p = get(id(s))
+                if p is None:
+                    others.append(s)
+                else:
+                    starts.append(p)
+                    lens.append(len(s))
+        lens_a = np.asarray(lens, np.int64)
+        offsets = np.cumsum(lens_a) - lens_a  # where each range starts in the result
+        idx = np.arange(int(lens_a.sum()), dtype=np.int64) + np.repeat(np.asarray(starts, np.int64) - offsets, lens_a)
+        rest = np.fromiter(chain.from_iterable(others), np.int64, count=sum(map(len, others)))
+        return np.concatenate([self.columns[tier][idx].astype(np.int64), rest])
+
+
 def check_format(index: dict, state_dir: str) -> None:
     """Refuse a checkpoint (and so the log after it) written with other record layouts.
 
@@ -141,20 +210,32 @@ def check_format(index: dict, state_dir: str) -> None:
         raise StateFormatError(state_dir, saved, RECORDS_VERSION)
 
 
-def load(tree, index: dict, block_bytes: int) -> tuple[dict, list[Node], np.ndarray]:
-    """Rebuild ``tree`` (empty) from checkpoint values, each whole or as its chunk list;
-    returns ``(meta, nodes in file order, every block hash in file order)``, the hashes as a
-    ``V16`` array: replay searches it for a block named inside a checkpoint run.
+class Loaded(NamedTuple):
+    """What ``load`` rebuilt: the checkpoint's ``meta``, its ``nodes`` in file order, the
+    first 8 bytes of every block hash as u64 in file order (``hash_lo``: replay searches
+    them for a block named inside a checkpoint run), and the slot lists it ``placed``."""
+
+    meta: dict
+    nodes: list[Node]
+    hash_lo: np.ndarray
+    placed: PlacedSlots
+
+
+def load(tree, index: dict, block_bytes: int) -> Loaded:
+    """Rebuild ``tree`` (empty) from checkpoint values, each whole or as its chunk list.
 
     Residency is set with ``RadixTree.place`` (the caller rebuilds queues and allocators
     after replay).
 
-    NOTE: per-block columns stay numpy arrays and each node's lists are made from its own
-    slice: slicing million-item Python lists touched every item's refcount a second time,
-    scattered over memory (0.1 s of a 1M-block load).
+    NOTE: nodes are ``PackedNode``s: each keeps its hashes and checksums as the bytes of its
+    own column range until something reads them (a million hash objects and checksum ints
+    were a fifth of a 1M-block recovery). Slot lists are made per node from the columns read
+    in place, chunk by chunk (``_Items``): slicing million-item Python lists touched every
+    item's refcount a second time, scattered over memory (0.1 s of a 1M-block load), and
+    joining the columns first copied ~30 MB for nothing.
     """
     if not index:
-        return {}, [], np.zeros(0, "V16")
+        return Loaded({}, [], np.zeros(0, "<u8"), PlacedSlots())
     meta = msgpack.unpackb(whole(index[b"meta"]))
     tree.clock = meta["clock"]
     roots = []
@@ -168,13 +249,15 @@ def load(tree, index: dict, block_bytes: int) -> tuple[dict, list[Node], np.ndar
     prio = _column(index[b"nodes.priority"], "<i4")
     flags = _column(index[b"nodes.flags"], "u1")
     tokens = _Slices(index[b"blocks.tokens"])
-    host = _array(index[b"blocks.host"], "<u4")
-    disk = _array(index[b"blocks.disk"], "<u4")
-    sums = _array(index[b"blocks.sums"], "<u8")
+    host_col, disk_col = _Items(index[b"blocks.host"], "<u4"), _Items(index[b"blocks.disk"], "<u4")
+    sums_col, hashes_col = _Items(index[b"blocks.sums"], "<u8"), _Items(index[b"blocks.hashes"], "V16")
+    host, disk = host_col.tolist, disk_col.tolist
+    sums, hashes = _Slices(index[b"blocks.sums"]).get, _Slices(index[b"blocks.hashes"]).get
     at_host = at_disk = at_sums = 0
-    # V16 (not S16: that would strip trailing zero bytes) turns into bytes objects in C
-    hashes = _array(index[b"blocks.hashes"], "V16")
+    placed = PlacedSlots()
+    host_lists, disk_lists = placed.lists[HOST], placed.lists[DISK]
     nodes: list[Node] = []
+    append = nodes.append
     place = tree.place  # residency bookkeeping, queues rebuilt after recovery
     enabled = gc.isenabled()
     gc.disable()
@@ -184,30 +267,40 @@ def load(tree, index: dict, block_bytes: int) -> tuple[dict, list[Node], np.ndar
             parent = nodes[parent_ref] if parent_ref >= 0 else roots[-1 - parent_ref]
             n = b - a
             toks = tokens.get(a * block_bytes, b * block_bytes)
-            node = Node(parent, toks[:block_bytes], toks, n, hashes[a:b].tolist(), [None, None, None], last[i])
+            f = flags[i]
+            packed_sums = None
+            if f & 8:
+                packed_sums = sums(at_sums * 8, (at_sums + n) * 8)
+                at_sums += n
+            node = PackedNode(parent, toks[:block_bytes], toks, n, hashes(a * 16, b * 16), packed_sums,
+                              [None, None, None], last[i])
             node.hit_count = hits[i]
             node.priority = prio[i]
-            f = flags[i]
             if f & 1:
                 place(node, DEVICE, [-1] * n)  # only the fact survives: see the module docstring
             if f & 2:
-                place(node, HOST, host[at_host:at_host + n].tolist())
+                host_lists.append(slots := host(at_host, at_host + n))
+                place(node, HOST, slots)
                 at_host += n
             if f & 4:
-                place(node, DISK, disk[at_disk:at_disk + n].tolist())
+                disk_lists.append(slots := disk(at_disk, at_disk + n))
+                place(node, DISK, slots)
                 at_disk += n
-            if f & 8:
-                node.checksums = sums[at_sums:at_sums + n].tolist()
-                at_sums += n
             parent.children[node.key] = node
-            nodes.append(node)
+            append(node)
     finally:
         if enabled:
             gc.enable()
-    if (at_host, at_disk, at_sums) != (len(host), len(disk), len(sums)):
-        raise ValueError(f"checkpoint columns disagree with node flags: used {at_host}/{len(host)} host, "
-                         f"{at_disk}/{len(disk)} disk slots and {at_sums}/{len(sums)} checksums")
-    return meta, nodes, hashes
+    if (at_host, at_disk, at_sums) != (host_col.size, disk_col.size, sums_col.size):
+        raise ValueError(f"checkpoint columns disagree with node flags: used {at_host}/{host_col.size} host, "
+                         f"{at_disk}/{disk_col.size} disk slots and {at_sums}/{sums_col.size} checksums")
+    if starts[-1] != hashes_col.size:
+        raise ValueError(f"checkpoint nodes hold {starts[-1]} blocks but {hashes_col.size} hashes")
+    # copied out of the chunks (they outlive the transaction): the first 8 bytes of each
+    # hash, and the slot columns
+    hash_lo = np.concatenate([arr.view("<u8")[0::2] for arr in hashes_col.arrays])
+    placed.columns = {HOST: np.concatenate(host_col.arrays), DISK: np.concatenate(disk_col.arrays)}
+    return Loaded(meta, nodes, hash_lo, placed)
 
 
 def dump_engine(cache, sessions: dict, recovered, file_ids: dict) -> tuple[dict[bytes, bytes], dict[bytes, bytes]]:
