@@ -8,7 +8,6 @@ one log line saying why, 2 for bad command-line usage.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
@@ -39,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve_command(args) -> int:
     setup_logging("info")
+    from prefixd.daemon import event_loop
     from prefixd.daemon.heap import keep_message_buffers
     from prefixd.daemon.reload import ConfigSource
     from prefixd.daemon.server import Daemon  # after logging: importing torch takes a moment
@@ -53,7 +53,7 @@ def serve_command(args) -> int:
         state_dir = os.path.abspath(args.state_dir or daemon_config.default_state_dir())
         daemon = Daemon(state_dir, engine_config, config, source)
         keep_message_buffers()  # a process-wide policy: KV messages are MiBs (heap.py)
-        return asyncio.run(daemon.run())
+        return event_loop.run(daemon.run)  # uvloop's when installed (event_loop.py)
     except StateLockedError as exc:
         log.error("not starting: %s", exc)
         return 1
