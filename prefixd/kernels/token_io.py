@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 MAX_RUNS = 16  # above this many runs of consecutive slots, one indexed copy moves the blocks
+ALIAS_GAP = 32  # dst - src (mod 4 KiB) in 1 .. ALIAS_GAP - 1 stalls memmove: copy_into's NOTE
 # numpy has no bfloat16 (nor the float8 kinds): those move as integers of the same size
 _AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -106,9 +107,26 @@ def read_tokens(pool: torch.Tensor, block_table, start: int, n: int, block_size:
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst[...] = src`` (same dtype; ``src`` broadcast to ``dst``'s shape; any strides):
-    numpy's copy in this thread between CPU tensors (see the NOTE), torch's ``copy_`` else."""
+    numpy's copy in this thread between CPU tensors (see the NOTE), torch's ``copy_`` else.
+
+    NOTE (4 KiB aliasing): ``np.copyto`` moves each contiguous run with glibc's ``memmove``,
+    which copies a run of 2 KiB or more with ``rep movsb``; on the dev host's CPU (AMD EPYC,
+    Zen 3, glibc 2.36) that stalls when the destination sits 1-31 bytes past the source
+    modulo 4 KiB: 4 MiB in 4 KiB runs took 2.5-6.6 ms instead of 0.2-0.3 (runs up to 256 KiB
+    alike; flat copies of 1 MiB and more take another path and never stall). Pool blocks are
+    page-aligned and malloc's buffers 16-byte aligned, so one buffer in 256 lands there: a
+    mapped read into an ``out`` that numpy made 16 bytes into a fresh mapping hit it every
+    time, and so would a daemon's ReadKV gathers for as long as its heap reused a reply
+    buffer at such an address. Such a pair is copied by a ufunc instead (``np.positive`` of
+    the integer views: the same bits, vector stores, no ``memmove``): 0.5-1 ms for the same
+    4 MiB, slower than an unstalled ``memmove`` in 4 KiB runs, so only in that window.
+    """
     if _numpy_copies(dst, src):
-        np.copyto(_numpy(dst), _numpy(src), casting="no")
+        d, s = _numpy(dst), _numpy(src)
+        if 0 < (dst.data_ptr() - src.data_ptr()) % 4096 < ALIAS_GAP:
+            np.positive(s, out=d)
+        else:
+            np.copyto(d, s, casting="no")
     else:
         dst.copy_(src)
 

@@ -1,7 +1,9 @@
 """kernels/token_io: a token range through a block table into and out of a block-major pool."""
 
+import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -125,3 +127,44 @@ def test_copy_into_falls_back_to_torch_across_dtypes_and_broadcasts():
     assert dst.tolist() == [[1.0] * 3] * 2
     copy_into(dst, torch.full((3,), 2.0))  # numpy broadcasts like copy_
     assert dst.tolist() == [[2.0] * 3] * 2
+
+
+def _at_page_offset(nbytes: int, offset: int) -> torch.Tensor:
+    """``nbytes`` bytes of a fresh CPU buffer, starting ``offset`` bytes into a 4 KiB page."""
+    buf = torch.zeros(nbytes + 2 * 4096, dtype=torch.uint8)
+    start = (-buf.data_ptr()) % 4096 + offset
+    return buf[start:start + nbytes]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_read_into_a_buffer_16_bytes_past_the_pools_page_offset_skips_memmove(monkeypatch, dtype):
+    """Regression (kv.mapped_gbps): with the destination 1-31 bytes past the source modulo
+    4 KiB, glibc's memmove (``rep movsb``) stalled on the dev host's CPU: a 4 MiB mapped read
+    in 4 KiB runs took 2.5-6.6 ms instead of 0.2-0.3, every time for a numpy-made ``out`` 16
+    bytes into its page. Such a pair is copied by a ufunc instead; the bits must not change."""
+    dt = getattr(torch, dtype)
+    itemsize = torch.empty((), dtype=dt).element_size()
+    shape = (16, NUM_LAYERS, 2, BS, NUM_KV_HEADS, HEAD_DIM)
+    p = _at_page_offset(math.prod(shape) * itemsize, 0).view(dt).view(shape)
+    table = [0, 1, 2, 3]  # one run from the pool's first byte: the base pair is the gap
+    x = kv(len(table) * BS, seed=4).to(dt)
+    _bits(x).view(-1)[:24] = torch.arange(232, 256, dtype=torch.uint8)  # NaNs, odd payloads
+    write_tokens(p, table, 0, x, BS)
+    out = _at_page_offset(x.numel() * itemsize, 16).view(dt).view(x.shape)
+    memmoves = []
+    real_copyto = np.copyto
+    monkeypatch.setattr(np, "copyto", lambda *a, **k: memmoves.append(a) or real_copyto(*a, **k))
+    read_tokens(p, table, 0, x.shape[2], BS, out)
+    assert memmoves == [], "an aliased pair went through np.copyto (memmove)"
+    assert torch.equal(_bits(out), _bits(x))
+    aligned = _at_page_offset(x.numel() * itemsize, 64).view(dt).view(x.shape)
+    read_tokens(p, table, 0, x.shape[2], BS, aligned)  # out of the window: memmove, as before
+    assert memmoves and torch.equal(_bits(aligned), _bits(x))
+
+
+def test_copy_into_an_aliased_pair_still_broadcasts():
+    dst = _at_page_offset(4 * 2048, 16).view(torch.float32).view(2, 1024)
+    src = _at_page_offset(4 * 1024, 0).view(torch.float32)
+    src.copy_(torch.arange(1024.0))
+    copy_into(dst, src)
+    assert torch.equal(dst, torch.arange(1024.0).expand(2, 1024))
