@@ -128,8 +128,9 @@ class _Items:
     def tolist(self, a: int, b: int) -> list:
         per = self.per
         i = a // per
-        if b <= (i + 1) * per:
-            return self.arrays[i][a - i * per:b - i * per].tolist()
+        at = i * per
+        if b - at <= per:  # within one chunk: the usual case
+            return self.arrays[i][a - at:b - at].tolist()
         out: list = []
         while a < b:
             i = a // per
@@ -151,10 +152,12 @@ class _Slices:
 
     def get(self, a: int, b: int) -> bytes:
         size, chunks = self.size, self.chunks
-        i, j = a // size, max(b - 1, a) // size
-        if i == j:
-            return bytes(chunks[i][a - i * size:b - i * size])
-        return b"".join([chunks[i][a - i * size:], *chunks[i + 1:j], chunks[j][:b - j * size]])
+        i = a // size
+        at = i * size
+        if b - at <= size:  # within one chunk: the usual case
+            return bytes(chunks[i][a - at:b - at])
+        j = (b - 1) // size
+        return b"".join([chunks[i][a - at:], *chunks[i + 1:j], chunks[j][:b - j * size]])
 
 
 class PlacedSlots:
