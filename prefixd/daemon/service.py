@@ -25,6 +25,7 @@ from prefixd.api import prefixd_pb2_grpc as pb_grpc
 from prefixd.api.layout import KVLayout, as_token_bytes
 from prefixd.daemon.ack_wait import durable
 from prefixd.daemon.admin_rpc import AdminRpcs
+from prefixd.daemon import kv_rpc
 from prefixd.daemon.core import DaemonCore
 from prefixd.daemon.pool_descriptors import pool_descriptors
 from prefixd.daemon.rpc_call import rpc
@@ -85,12 +86,6 @@ def _check_pool_fits(config, state_dir: str, layout: KVLayout) -> None:
             raise exhausted(f"a pool of layout {layout.model_id!r} needs {nbytes} bytes in "
                             f"{where}, which has {free} free: use a smaller layout, or ask the "
                             f"operator for a smaller [engine.blocks.models.\"{layout.model_id}\"]")
-
-
-def _kv():
-    from prefixd.daemon import kv_rpc  # TODO(lead): top-level import once kv_rpc lands
-
-    return kv_rpc
 
 
 async def _same_session(first, stream, session_id: int):
@@ -291,7 +286,7 @@ class PrefixCacheService(AdminRpcs, pb_grpc.PrefixCacheServicer):
             except StopAsyncIteration:
                 raise invalid("WriteKV got no chunk: send at least one") from None
             session = self._session(first.session_id)
-            return await _kv().write_kv(session, _same_session(first, stream, session.id),
+            return await kv_rpc.write_kv(session, _same_session(first, stream, session.id),
                                         core.config.max_message_bytes)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
@@ -305,7 +300,7 @@ class PrefixCacheService(AdminRpcs, pb_grpc.PrefixCacheServicer):
         try:
             core.check_serving()
             session = self._session(request.session_id)
-            for reply in _kv().read_kv(session, request, core.config.max_message_bytes):
+            for reply in kv_rpc.read_kv(session, request, core.config.max_message_bytes):
                 yield reply
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
@@ -316,4 +311,4 @@ class PrefixCacheService(AdminRpcs, pb_grpc.PrefixCacheServicer):
     @rpc
     async def Attend(self, request, context):
         session = self._session(request.session_id)
-        return _kv().attend(session, request, self.core.config.max_message_bytes)
+        return kv_rpc.attend(session, request, self.core.config.max_message_bytes)
