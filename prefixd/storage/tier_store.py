@@ -175,11 +175,17 @@ class TierStore:
         # 3.11 (~1 us), and a request's commit copies several times.
         src_slots, dst_slots = list(src_slots), list(dst_slots)
         src, dst = self.pool(src_tier), self.pool(dst_tier)
-        self._check_slots(src_tier, src_slots, dst_tier, dst_slots)
+        if len(src_slots) != len(dst_slots):
+            raise ValueError(f"copy needs as many destination slots as source slots: {len(src_slots)} != {len(dst_slots)}")
         if verify is not None and src_tier != DISK:
             raise ValueError("verify= is for copies from DISK; memory tiers are not re-checked")
         if not src_slots:
             return CopyResult([] if dst_tier != DEVICE else None, [] if verify is not None else None)
+        self._check_range(src_tier, src_slots)
+        # a destination that is one run (a write-down's fresh allocation mostly is) is checked
+        # by its ends, and copied into as a slice (``movement._gather_inline``)
+        dst_first = movement.run_start(dst_slots)
+        self._check_range(dst_tier, dst_slots, dst_first)
         if isinstance(dst, DiskPool) and not isinstance(src, DiskPool) and self.write_behind:
             return self._write_behind(src, src_slots, dst, dst_slots, durable)
         if self._writer is not None and (isinstance(src, DiskPool) or isinstance(dst, DiskPool)):
@@ -192,7 +198,8 @@ class TierStore:
                                             dst, dst_slots, self._helper)
         else:
             result = movement.copy_tensors(src, src_slots, dst, dst_slots, self._helper,
-                                           want_checksums=dst_tier != DEVICE)
+                                           want_checksums=dst_tier != DEVICE,
+                                           dst_first=-1 if dst_first is None else dst_first)
         if durable and dst_tier == DISK:
             self.sync(DISK)
         return result
@@ -341,10 +348,18 @@ class TierStore:
             raise ValueError(f"tier {tier.name} is absent from pool {self.name} (configured with 0 blocks)")
         return tier
 
-    def _check_range(self, tier: Tier, slots: Sequence[int]) -> None:
+    def _check_range(self, tier: Tier, slots: Sequence[int], run_first: int | None = None) -> None:
+        """Every slot is in the tier's range; ``run_first``: ``slots`` is known to be one run
+        from there (``movement.run_start``), so its ends say it all."""
         n = self.pool(tier).num_blocks
-        if slots and (min(slots) < 0 or max(slots) >= n):
-            raise ValueError(f"{Tier(tier).name} slots must be in [0, {n}), got {min(slots)}..{max(slots)}")
+        if not slots:
+            return
+        if run_first is not None:
+            lo, hi = run_first, run_first + len(slots) - 1
+        else:
+            lo, hi = min(slots), max(slots)
+        if lo < 0 or hi >= n:
+            raise ValueError(f"{Tier(tier).name} slots must be in [0, {n}), got {lo}..{hi}")
 
     def _check_slots(self, src_tier: Tier, src_slots: list, dst_tier: Tier, dst_slots: list) -> None:
         if len(src_slots) != len(dst_slots):

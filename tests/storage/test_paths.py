@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 import xxhash
@@ -61,6 +62,46 @@ def test_shuffled_slots_match_a_reference_model(make_store, monkeypatch):
         ids = [model[(src_t, s)] for s in src]
         model.update({(dst_t, d): i for d, i in zip(dst, ids)})
         assert same_bytes(store.read(dst_t, dst), block_data(SMALL, ids)), f"step {step}: {src_t.name}->{dst_t.name}"
+
+
+@pytest.mark.parametrize("dst", [[4, 5, 6, 7], [9, 2, 14, 0], [7, 6, 5, 4]], ids=["run", "scattered", "descending"])
+def test_inline_copy_gathers_into_any_destination(make_store, dst):
+    """A small copy is gathered on the calling thread, straight into the destination when its
+    slots are one ascending run: bytes and checksums must be those of a plain gather either way."""
+    store = make_store(device=16, host=16)
+    src = [11, 3, 8, 1]
+    data = block_data(SMALL, src)
+    store.write(Tier.DEVICE, src, data)
+    res = store.copy(Tier.DEVICE, src, Tier.HOST, dst)
+    raw = data.view(torch.uint8).reshape(len(src), -1).numpy()
+    assert res.checksums == [xxhash.xxh3_64_intdigest(row) for row in raw]
+    assert same_bytes(store.read(Tier.HOST, dst), data)
+    assert store.checksum(Tier.HOST, dst) == res.checksums
+
+
+def test_inline_copy_reads_an_overlapping_source_before_writing():
+    """Gathering into a destination run that overlaps the source rows (one pool) must read
+    every source row first, as the gather-then-scatter it replaced did; ``take(out=)`` onto an
+    overlapping slice would otherwise read rows it already overwrote."""
+    rows = np.arange(8 * 16, dtype=np.uint8).reshape(8, 16)
+    want = rows.copy()
+    want[[2, 3, 4]] = rows[[1, 2, 3]]
+    movement._gather_inline(rows, [1, 2, 3], rows, [2, 3, 4])
+    assert (rows == want).all()
+
+
+def test_run_start_finds_one_ascending_run():
+    assert movement.run_start([5, 6, 7]) == 5 and movement.run_start([0]) == 0
+    assert movement.run_start([5, 7, 6, 8]) is None  # the ends agree, the order does not
+    assert movement.run_start([7, 6, 5]) is None and movement.run_start([1, 3]) is None
+
+
+def test_copy_refuses_a_destination_run_past_the_tier(make_store):
+    store = make_store(device=8, host=8)
+    with pytest.raises(ValueError, match=r"HOST slots must be in \[0, 8\), got 6\.\.8"):
+        store.copy(Tier.DEVICE, [0, 1, 2], Tier.HOST, [6, 7, 8])
+    with pytest.raises(ValueError, match=r"HOST slots must be in \[0, 8\), got -1\.\.1"):
+        store.copy(Tier.DEVICE, [0, 1, 2], Tier.HOST, [-1, 0, 1])
 
 
 def test_copy_within_each_tier(make_store):
