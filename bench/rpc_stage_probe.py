@@ -82,10 +82,15 @@ def install() -> None:
 
     gc = wal_group.GroupCommitter
     inner_flush, inner_gather, inner_commit = gc.flush, gc._gather, gc._commit_group
+    inner_flush_into = gc.flush_into
 
     def flush(self):
         _cur.setdefault("flush", clock())
         return inner_flush(self)
+
+    def flush_into(self, waiters):  # how the engine asks for its commit ticket
+        _cur.setdefault("flush", clock())
+        return inner_flush_into(self, waiters)
 
     def gather(self):
         groups.append({"woken": clock()})
@@ -107,7 +112,7 @@ def install() -> None:
         finally:
             entry["txn_out"] = clock()
 
-    gc.flush, gc._gather, gc._commit_group = flush, gather, commit_group
+    gc.flush, gc.flush_into, gc._gather, gc._commit_group = flush, flush_into, gather, commit_group
     WalEnv.write = write
     atexit.register(_dump)
 

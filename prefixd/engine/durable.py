@@ -29,7 +29,7 @@ from prefixd.engine.errors import DurabilityError
 from prefixd.cache.events import BlocksMoved
 from prefixd.cache.node import DISK, HOST, path_to
 from prefixd.engine.ordered_log import OrderedLog
-from prefixd.wal.tickets import done, failed
+from prefixd.wal.tickets import DONE_NONE, done, failed
 from prefixd.engine.quarantine import Quarantine
 from prefixd.engine.records import CHECKPOINT_BLOCKS, event_records, replay_blocks
 from prefixd.engine.recovery import recover
@@ -238,7 +238,7 @@ class DurableCache(BackgroundWork):
         self.cache.release(seq_id)
         self._sessions.pop(seq_id, None)
         self._log()
-        return ticket if ticket is not None else done(None)
+        return ticket if ticket is not None else DONE_NONE
 
     # -- the write order -----------------------------------------------------------------------
 

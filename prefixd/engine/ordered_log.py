@@ -46,19 +46,6 @@ class _Held(NamedTuple):
     last_pos: int
 
 
-def _chain(source: Future, ticket: Future, value: Any) -> None:
-    """Resolve ``ticket`` with ``value`` (or ``source``'s error) when ``source`` is done."""
-
-    def resolve(src: Future) -> None:
-        exc = src.exception()
-        if exc is not None:
-            ticket.set_exception(exc)
-        else:
-            ticket.set_result(value)
-
-    source.add_done_callback(resolve)
-
-
 class OrderedLog:
     """Appends the engine's records to ``wal`` in order; hands out tickets by position.
 
@@ -135,7 +122,7 @@ class OrderedLog:
             if pos > self._appended:
                 self._waiting.append((pos, fut, value))
                 return fut
-        _chain(self._wal.flush(), fut, value)
+        self._wal.flush_into([(fut, value)])  # the WAL resolves this very Future
         return fut
 
     @property
@@ -182,10 +169,11 @@ class OrderedLog:
             self._marks.append((last_pos, lsn))
         waiting = self._waiting
         if waiting and waiting[0][0] <= last_pos:
-            flush = self._wal.flush()
+            due = []
             while waiting and waiting[0][0] <= last_pos:
                 _, fut, value = waiting.popleft()
-                _chain(flush, fut, value)
+                due.append((fut, value))
+            self._wal.flush_into(due)
 
     def _drain(self, _barrier: Future | None = None) -> None:
         """Append the held segments whose barriers have resolved, in order (any thread)."""

@@ -23,6 +23,7 @@ from typing import Callable, NamedTuple
 
 from prefixd.crashpoints import crash_point
 from prefixd.wal.errors import WalError, WalFailedError
+from prefixd.wal.tickets import resolve
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +189,7 @@ class CommitterLoop:
         if self._sync == "commit":
             self._n_syncs += 1
         self._last_tickets = len(done)
-        for fut in done:
-            fut.set_result(last)
+        resolve(done, last)
 
     def sync_now(self) -> int:
         """fsync the environment and resolve every committed-but-unsynced ticket (committer
@@ -207,8 +207,7 @@ class CommitterLoop:
         self._n_syncs += 1
         with self._cv:
             self._durable_lsn = last
-        for fut in waiting:
-            fut.set_result(last)
+        resolve(waiting, last)
         return last
 
     def _run_job(self, job: Callable[[], object], fut: Future) -> None:

@@ -41,7 +41,7 @@ from prefixd.wal.codec import encode, pack_key
 from prefixd.wal.committer import COMMIT_S_BOUNDS, GROUP_SIZE_BOUNDS, CommitterLoop
 from prefixd.wal.env import WalEnv, _pid
 from prefixd.wal.errors import WalClosedError, WalFailedError
-from prefixd.wal.tickets import Tickets, done, failed
+from prefixd.wal.tickets import Tickets, done, failed, resolve
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +168,30 @@ class GroupCommitter(CommitterLoop):
                 self._flush_wanted = True
                 self._cv.notify_all()
             return fut
+
+    def flush_into(self, waiters: list) -> None:
+        """``flush`` for futures of the caller's own: resolve each ``(future, value)`` with its
+        value once every record appended so far is durable, or fail it as ``flush``'s ticket
+        would. The engine's commit ticket is such a future (one Future, not one chained on
+        another)."""
+        self._wenv.check_usable()
+        with self._cv:
+            failure = self._failure
+            if failure is None:
+                last = self._next_lsn - 1
+                if last > self._durable_lsn:
+                    self._tickets.follow(last, self._committed_lsn, waiters)
+                    if last > self._taken_lsn and not self._flush_wanted:
+                        self._flush_wanted = True
+                        self._cv.notify_all()
+                    return
+                durable = self._durable_lsn
+        if failure is not None:
+            for fut, _ in waiters:
+                if not fut.done():
+                    fut.set_exception(failure)
+            return
+        resolve(waiters, durable)
 
     def submit(self, job: Callable[[], object]) -> Future:
         """Run ``job()`` on the committer after the pending group; its result resolves the Future.

@@ -177,6 +177,12 @@ class Wal:
         """
         return self._committer.flush()
 
+    def flush_into(self, waiters) -> None:
+        """``flush`` into the caller's own futures: each ``(future, value)`` of ``waiters`` is
+        resolved with its value once every record appended so far is durable (or failed with
+        :class:`WalFailedError`), saving a Future chained on the shared one."""
+        self._committer.flush_into(waiters)
+
     def commit_now(self) -> int:
         """Commit everything pending and fsync it, whatever ``sync`` is; block until done.
 

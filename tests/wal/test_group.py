@@ -290,3 +290,64 @@ def test_append_many_takes_lsns_in_order_and_refuses_a_bad_batch_whole(open_wal)
     wal.flush().result()
     assert [r.fields for r in wal.replay()] == [(1, 1)] + [(2, n) for n in range(5)] + [(4, 0)]
     wal.check_invariants()
+
+
+def _gated(wal):
+    """Hold the committer's next write transactions until the returned event is set."""
+    gate = threading.Event()
+    real_write = wal._wenv.write
+    wal._wenv.write = lambda fn: (gate.wait(5), real_write(fn))[1]
+    return gate
+
+
+def test_flush_into_resolves_each_future_with_its_own_value(open_wal):
+    """``flush_into`` resolves the caller's futures (the engine's commit tickets) with their
+    values once the records appended before it are durable, in the same group as a plain
+    ``flush`` of the same lsn; once durable, at once."""
+    from concurrent.futures import Future
+
+    wal = open_wal()
+    gate = _gated(wal)
+    lsn = wal.append(Kind.RELEASE, 1)
+    mine, theirs = Future(), Future()
+    wal.flush_into([(mine, "seven blocks"), (theirs, None)])
+    shared = wal.flush()
+    time.sleep(0.05)
+    assert not mine.done() and not theirs.done(), "resolved before its group committed"
+    gate.set()
+    assert mine.result(5) == "seven blocks" and theirs.result(5) is None and shared.result(5) == lsn
+    late = Future()
+    wal.flush_into([(late, 3)])  # nothing new: durable already
+    assert late.done() and late.result() == 3
+    wal.check_invariants()
+
+
+def test_flush_into_fails_the_futures_of_a_failed_log(open_wal):
+    from concurrent.futures import Future
+
+    wal = open_wal()
+    wal.append(Kind.RELEASE, 1)
+    wal.fail(OSError("disk gone"))
+    fut = Future()
+    wal.flush_into([(fut, 1)])
+    with pytest.raises(WalFailedError):
+        fut.result(5)
+
+
+def test_a_cancelled_ticket_does_not_poison_the_log(open_wal):
+    """Regression: the committer resolved every due ticket with ``set_result``, which raises
+    InvalidStateError on a Future its holder had cancelled; the committer took that for a
+    failed commit and poisoned the log, so one cancelled wait made every later append fail."""
+    from concurrent.futures import Future
+
+    wal = open_wal()
+    gate = _gated(wal)
+    wal.append(Kind.RELEASE, 1)
+    ticket = wal.flush()
+    mine = Future()
+    wal.flush_into([(mine, 1)])
+    assert ticket.cancel() and mine.cancel()
+    gate.set()
+    wal.append(Kind.RELEASE, 2)
+    assert wal.flush().result(5) == 2
+    assert wal.failure is None
