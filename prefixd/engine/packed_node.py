@@ -79,11 +79,16 @@ class PackedNode(Node):
         packed = self._packed_hashes
         return packed[-16:] if packed is not None else self.hashes[-1]
 
+    def still_packed(self) -> tuple[bytes | None, bytes | None]:
+        """``(hashes, checksums)`` as the checkpoint stored them, each ``None`` once unpacked
+        (read or set) or, for checksums, when the run has none."""
+        return self._packed_hashes, self._packed_sums
+
 
 def run_ends(node: Node) -> tuple[bytes, bytes]:
     """``node``'s first and last block hash, without unpacking a ``PackedNode``."""
-    if type(node) is PackedNode and node._packed_hashes is not None:
-        packed = node._packed_hashes
+    packed = node.still_packed()[0] if type(node) is PackedNode else None
+    if packed is not None:
         return packed[:16], packed[-16:]
     hashes = node.hashes
     return hashes[0], hashes[-1]
@@ -91,15 +96,17 @@ def run_ends(node: Node) -> tuple[bytes, bytes]:
 
 def packed_hashes(node: Node) -> bytes:
     """``node``'s hashes as the checkpoint stores them (16 bytes each, in block order)."""
-    if type(node) is PackedNode and node._packed_hashes is not None:
-        return node._packed_hashes
+    packed = node.still_packed()[0] if type(node) is PackedNode else None
+    if packed is not None:
+        return packed
     return b"".join(node.hashes)
 
 
 def packed_checksums(node: Node) -> bytes | None:
     """``node``'s checksums as the checkpoint stores them (u64 little-endian), or ``None``."""
-    if type(node) is PackedNode and node._packed_sums is not None:
-        return node._packed_sums
+    packed = node.still_packed()[1] if type(node) is PackedNode else None
+    if packed is not None:
+        return packed
     sums = node.checksums
     if sums is None:
         return None
