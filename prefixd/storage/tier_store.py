@@ -175,8 +175,7 @@ class TierStore:
         # 3.11 (~1 us), and a request's commit copies several times.
         src_slots, dst_slots = list(src_slots), list(dst_slots)
         src, dst = self.pool(src_tier), self.pool(dst_tier)
-        if len(src_slots) != len(dst_slots):
-            raise ValueError(f"copy needs as many destination slots as source slots: {len(src_slots)} != {len(dst_slots)}")
+        _check_count(src_slots, dst_slots)
         if verify is not None and src_tier != DISK:
             raise ValueError("verify= is for copies from DISK; memory tiers are not re-checked")
         if not src_slots:
@@ -362,8 +361,7 @@ class TierStore:
             raise ValueError(f"{Tier(tier).name} slots must be in [0, {n}), got {lo}..{hi}")
 
     def _check_slots(self, src_tier: Tier, src_slots: list, dst_tier: Tier, dst_slots: list) -> None:
-        if len(src_slots) != len(dst_slots):
-            raise ValueError(f"copy needs as many destination slots as source slots: {len(src_slots)} != {len(dst_slots)}")
+        _check_count(src_slots, dst_slots)
         self._check_range(src_tier, src_slots)
         self._check_range(dst_tier, dst_slots)
 
@@ -388,3 +386,8 @@ def _write_then_give_back(buffers: SpillBuffers, rows, disk: DiskPool, dst_slots
     the buffer back (not on failure: the writer is failed for good and the buffer just goes)."""
     movement.write_to_disk(rows, range(len(dst_slots)), disk, dst_slots, None, False)
     buffers.give_back(rows)
+
+
+def _check_count(src_slots: list, dst_slots: list) -> None:
+    if len(src_slots) != len(dst_slots):
+        raise ValueError(f"copy needs as many destination slots as source slots: {len(src_slots)} != {len(dst_slots)}")
