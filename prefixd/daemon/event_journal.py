@@ -22,10 +22,17 @@ event first (see ``EventJournal.subscribe`` and docs/design.md "KV events for ro
 NOTE (a subscriber is a cursor, not a copy): an entry is immutable and shared; a subscriber
 is the number of the next entry it will be sent, read out of the ring. Its queue is the ring
 segment between its cursor and the newest entry, bounded by ``subscriber_queue`` once it has
-caught up (and by the ring while it replays a backlog): past that it is cut off
-(``overflowed``), and its stream ends RESOURCE_EXHAUSTED so that it resumes from the ring.
-So memory is the ring's, whatever the number of subscribers, and an append is O(blocks +
-subscribers) on the loop: no copy per subscriber, nothing that waits for a slow reader.
+caught up: past that it is cut off (``overflowed``), and its stream ends RESOURCE_EXHAUSTED
+so that it resumes from the ring. So memory is the ring's, whatever the number of
+subscribers, and an append is O(blocks + subscribers) on the loop: no copy per subscriber,
+nothing that waits for a slow reader.
+
+NOTE (the replay's slack): a new stream is offered the newest ``ring_size`` entries, but the
+ring keeps ``subscriber_queue`` more. Without them a stream that replays from the oldest
+entry offered (``from_sequence_number`` 0, or after ``cleared``) would be cut off by the
+first append that came before its first send; under steady traffic its resubscription
+would begin at the oldest again, and be cut off again, for ever. With them a replay may fall
+``subscriber_queue`` appends behind, as a live subscriber may.
 
 Recovery's reconciliation drops blocks without events (``prefixd.engine.reconcile``), before
 the journal exists; a router learns of it by the epoch: every stream after a restart begins
@@ -93,13 +100,15 @@ class Subscriber:
 class EventJournal:
     """One tenant's numbered KV events, the last ``ring_size`` of them kept, and its subscribers.
 
-    Data structure: ``_ring`` is a list of ``ring_size`` slots; entry number ``n`` lives in
-    slot ``n % ring_size`` while ``oldest <= n < next_sequence_number``.
+    Data structure: ``_ring`` is a list of ``capacity = ring_size + queue_limit`` slots; entry
+    number ``n`` lives in slot ``n % capacity`` while ``kept <= n < next_sequence_number``.
+    A new subscriber is offered the entries from ``oldest`` (the newest ``ring_size``); the
+    ``queue_limit`` kept before them are the slack of a replay begun at ``oldest``.
 
-    Invariants: ``next_sequence_number - oldest == min(emitted, ring_size)``; every held
-    entry's ``sequence_number`` matches its slot; every subscriber in ``_subscribers`` is
-    neither overflowed nor closed, its cursor ``<= next_sequence_number``, and a live one lags
-    by at most ``queue_limit``. Touched on the loop's thread only.
+    Invariants: ``next_sequence_number - oldest == min(emitted, ring_size)``, ``kept <=
+    oldest``; every kept entry's ``sequence_number`` matches its slot; every subscriber in
+    ``_subscribers`` is neither overflowed nor closed, its cursor ``<= next_sequence_number``,
+    and a live one lags by at most ``queue_limit``. Touched on the loop's thread only.
     """
 
     def __init__(self, tenant: str, epoch: int, ring_size: int, queue_limit: int) -> None:
@@ -109,7 +118,8 @@ class EventJournal:
         self.epoch = epoch
         self.ring_size = ring_size
         self.queue_limit = queue_limit
-        self._ring: list[JournalEntry | None] = [None] * ring_size
+        self.capacity = ring_size + queue_limit
+        self._ring: list[JournalEntry | None] = [None] * self.capacity
         self.next_sequence_number = 1
         self._subscribers: set[Subscriber] = set()
         self.emitted = 0
@@ -120,6 +130,11 @@ class EventJournal:
     def oldest(self) -> int:
         """The number of the oldest entry held (``next_sequence_number`` when none is)."""
         return max(1, self.next_sequence_number - self.ring_size)
+
+    @property
+    def kept(self) -> int:
+        """The number of the oldest entry still in the ring (a replay may still read it)."""
+        return max(1, self.next_sequence_number - self.capacity)
 
     @property
     def num_subscribers(self) -> int:
@@ -149,7 +164,7 @@ class EventJournal:
         # ``__new__`` costs ~3x more, and a gsp request appends ~6 entries
         entry = _new_entry(JournalEntry, (n, kind, tier, model_id, block_size, block_hashes,
                                           parent_block_hash, tokens))
-        self._ring[n % self.ring_size] = entry
+        self._ring[n % self.capacity] = entry
         self.next_sequence_number = n + 1
         self.emitted += 1
         limit = n + 1 - self.queue_limit
@@ -201,7 +216,8 @@ class EventJournal:
 
     def next_entry(self, sub: Subscriber) -> JournalEntry | None:
         """The next entry for ``sub`` (its cursor advanced), or None when it has caught up.
-        A subscriber whose next entry the ring dropped while it replayed is cut off (None,
+        A subscriber whose next entry the ring dropped while it replayed (more than
+        ``queue_limit`` appends past the oldest entry offered) is cut off (None,
         ``overflowed`` set)."""
         if sub.overflowed or sub.closed:
             return None
@@ -212,12 +228,12 @@ class EventJournal:
         if n >= self.next_sequence_number:
             sub.live = True
             return None
-        if n < self.oldest:
+        if n < self.kept:
             self._overflow(sub)
             return None
         sub.cursor = n + 1
         sub.sent += 1
-        return self._ring[n % self.ring_size]
+        return self._ring[n % self.capacity]
 
     def unsubscribe(self, sub: Subscriber) -> None:
         self._subscribers.discard(sub)
@@ -239,10 +255,11 @@ class EventJournal:
                     self.queue_limit)
 
     def check_invariants(self) -> None:
-        nxt, oldest = self.next_sequence_number, self.oldest
+        nxt, oldest, kept = self.next_sequence_number, self.oldest, self.kept
         assert nxt - oldest == min(self.emitted, self.ring_size), (nxt, oldest, self.emitted)
-        for n in range(oldest, nxt):
-            assert self._ring[n % self.ring_size].sequence_number == n
+        assert kept <= oldest and nxt - kept == min(self.emitted, self.capacity)
+        for n in range(kept, nxt):
+            assert self._ring[n % self.capacity].sequence_number == n
         for sub in self._subscribers:
             assert not sub.overflowed and not sub.closed and sub.cursor <= nxt
             assert not sub.live or nxt - sub.cursor <= self.queue_limit, (sub.cursor, nxt)

@@ -83,8 +83,8 @@ def _check_open(sub, session, journal) -> None:
     if sub.overflowed:
         raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED,
                          f"this subscriber fell too far behind (more than {journal.queue_limit} "
-                         f"events live, [daemon.events] subscriber_queue, or out of the ring of "
-                         f"{journal.ring_size} while replaying) and was cut off after event "
+                         f"events, [daemon.events] subscriber_queue, live or while replaying from "
+                         f"the ring of {journal.ring_size}) and was cut off after event "
                          f"{last}: read faster, then {resume}")
     if sub.closed:
         raise RpcFailure(grpc.StatusCode.UNAVAILABLE,

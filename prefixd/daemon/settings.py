@@ -126,7 +126,8 @@ class EventsConfig:
     """The KV-event journal (``prefixd.daemon.event_journal``): ``ring_size`` events kept per
     tenant for a subscriber that reconnects with ``from_sequence_number``; a subscriber more
     than ``subscriber_queue`` events behind is ended RESOURCE_EXHAUSTED (it resumes from the
-    ring). Memory: a run's hashes (16 bytes a block) per event, times ``ring_size``."""
+    ring). Memory: a run's hashes (16 bytes a block) per event, times ``ring_size +
+    subscriber_queue`` (the second part is a replay's slack: ``EventJournal``)."""
 
     ring_size: int = 65536
     subscriber_queue: int = 4096

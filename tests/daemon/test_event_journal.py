@@ -86,14 +86,35 @@ def test_a_live_subscriber_that_lags_past_its_queue_is_cut_off():
 
 
 def test_a_replay_overtaken_by_the_ring_is_cut_off():
-    """While replaying, a subscriber may lag by the whole ring, not more: once the ring drops
-    its next entry it is cut off rather than sent a hole."""
+    """While replaying, a subscriber may fall ``queue`` appends behind the oldest entry
+    offered, not more: once the ring drops its next entry it is cut off rather than sent a
+    hole."""
     j = journal(ring=8, queue=2)
     fill(j, 8)
     sub = j.subscribe(0)
-    assert j.next_entry(sub).sequence_number == 1  # replaying: not held to queue=2
-    fill(j, 2)  # the ring now starts at 3
+    assert j.next_entry(sub).sequence_number == 1  # replaying: lags 7, not held to queue=2
+    fill(j, 3)  # offered from 4, kept from 2: its next, 2, is still there
+    assert j.next_entry(sub).sequence_number == 2
+    fill(j, 2)  # kept from 4
     assert j.next_entry(sub) is None and sub.overflowed and j.overflows == 1
+    j.check_invariants()
+
+
+@pytest.mark.parametrize("from_number", [0, 1])
+def test_a_replay_from_the_oldest_offered_survives_appends_before_its_first_send(from_number):
+    """A full ring, a stream from 0 (or after ``cleared``), then ``queue`` appends before it
+    sends anything (the daemon's other calls ran first): it is not cut off, and sends the
+    entries it was offered, in order, then the new ones. With the ring alone as the replay's
+    bound the first append cut it off, and its next subscription the same, for ever."""
+    j = journal(ring=8, queue=4)
+    fill(j, 20)  # offers 13..20
+    sub = j.subscribe(from_number, EPOCH)
+    fill(j, 4)
+    got = drain(j, sub)
+    numbers = [e.sequence_number for e in got if e.kind != CLEARED]
+    assert not sub.overflowed and numbers == list(range(13, 25))
+    assert [e.kind for e in got[:1]] == ([CLEARED] if from_number else [STORED])
+    j.check_invariants()
 
 
 def test_close_ends_every_subscriber():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -96,6 +97,22 @@ def head(stub) -> int:
     return int(dict(stub.Stats(pb.StatsRequest()).values)["prefixd_events_emitted_total"])
 
 
+def settled_head(stub, quiet_s: float = 0.5, timeout_s: float = 30.0) -> int:
+    """``head`` once no event came for ``quiet_s`` (five of the daemon's ticks, which spill
+    to disk and demote after the commits stop, each with events). A test that takes its
+    first number from it sees its own events first, not the tail of the test before."""
+    deadline = time.monotonic() + timeout_s
+    last, since = head(stub), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = head(stub)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return now
+    raise AssertionError(f"events still coming after {timeout_s} s (head {last})")
+
+
 def read_until(stub, from_number: int, epoch: int, done, session_id: int = 0) -> list:
     """Events from ``from_number`` until ``done(events)``; the stream is then cancelled."""
     got = []
@@ -123,7 +140,7 @@ def has(kind: str, tier: str, hashes):
 
 def test_commit_publishes_stored_events_with_chained_hashes_per_tier(alpha):
     reply = attach(alpha)
-    sid, start = reply.session_id, head(alpha)
+    sid, start = reply.session_id, settled_head(alpha)
     prompt = new_prompt(37)  # 9 full blocks
     commit(alpha, sid, prompt)
     got = read_until(alpha, start, reply.epoch, lambda g: any(e.tier == "disk" for e in g))
@@ -151,7 +168,7 @@ def test_commit_publishes_stored_events_with_chained_hashes_per_tier(alpha):
 
 def test_eviction_publishes_removed_device_events(alpha):
     reply = attach(alpha)
-    sid, start = reply.session_id, head(alpha)
+    sid, start = reply.session_id, settled_head(alpha)
     prompts = [new_prompt(37) for _ in range(4)]  # 36 blocks through a 24-block device pool
     for p in prompts:
         commit(alpha, sid, p)
@@ -180,7 +197,7 @@ def test_replay_after_a_disconnect_misses_nothing_and_repeats_nothing(daemon, al
     resubscribes from the last number it got (client library): together its two streams are
     exactly what a subscriber that never left received."""
     reply = attach(alpha)
-    sid, start = reply.session_id, head(alpha)
+    sid, start = reply.session_id, settled_head(alpha)
     with pc.connect(daemon.socket, pc.KVLayout(**_layout()), mapped=False) as session:
         steady = session.subscribe_events(start, reply.epoch)
         commit(alpha, sid, new_prompt(37))
@@ -212,10 +229,10 @@ def test_replay_after_a_disconnect_misses_nothing_and_repeats_nothing(daemon, al
 
 def test_a_number_older_than_the_ring_begins_with_cleared(alpha):
     reply = attach(alpha)
-    sid, start = reply.session_id, head(alpha)
+    sid, start = reply.session_id, settled_head(alpha)
     while head(alpha) < start + RING + 10:
         commit(alpha, sid, new_prompt(9))
-    newest = head(alpha)
+    newest = settled_head(alpha)
     oldest = newest - RING + 1
     got = read_until(alpha, start, reply.epoch, lambda g: g[-1].sequence_number == newest)
     assert got[0].kind == "cleared" and got[0].sequence_number == oldest - 1
@@ -233,7 +250,7 @@ def test_tenants_never_see_each_others_events(alpha, beta):
     holds beta's commit and nothing of alpha's; alpha's stream (the positive control) holds
     alpha's. Numbers are per tenant."""
     a, b = attach(alpha), attach(beta)
-    a_start, b_start = head(alpha), head(beta)
+    a_start, b_start = settled_head(alpha), settled_head(beta)
     prompt = new_prompt(37)
     commit(alpha, a.session_id, prompt)
     commit(beta, b.session_id, prompt)
@@ -256,7 +273,7 @@ def test_a_slow_subscriber_is_cut_off_and_the_daemon_stays_healthy(daemon, alpha
     ``subscriber_queue`` events (gRPC's own buffers full), the daemon keeps serving, and the
     router resumes from its last number with nothing missed."""
     reply = attach(alpha)
-    sid, start = reply.session_id, head(alpha)
+    sid, start = reply.session_id, settled_head(alpha)
     channel = grpc.insecure_channel("unix:" + daemon.socket, options=[("grpc.http2.bdp_probe", 0)])
     slow = kv_events.subscribe(pb_stub(channel), 0, start, reply.epoch, timeout=120)
     commit(alpha, sid, new_prompt(9))
@@ -277,7 +294,7 @@ def test_a_slow_subscriber_is_cut_off_and_the_daemon_stays_healthy(daemon, alpha
     # healthy: serves, commits, and a resume from the last number misses nothing
     assert alpha.Status(pb.StatusRequest()).state == "serving"
     commit(alpha, sid, new_prompt(9))
-    newest = head(alpha)
+    newest = settled_head(alpha)
     last = received[-1].sequence_number
     resumed = read_until(alpha, last, reply.epoch, lambda g: g[-1].sequence_number == newest)
     if resumed[0].kind == "cleared":  # the ring moved past it: a documented gap, numbered
@@ -290,7 +307,7 @@ def test_a_slow_subscriber_is_cut_off_and_the_daemon_stays_healthy(daemon, alpha
 
 def test_prefixctl_events_prints_one_event_per_line(daemon, alpha, capsys):
     reply = attach(alpha)
-    start = head(alpha)
+    start = settled_head(alpha)
     commit(alpha, reply.session_id, new_prompt(9))
     rc = ctl.main(["--socket", daemon.socket, "--timeout", "2", "events", "--from", str(start),
                    "--epoch", str(reply.epoch), "--json"])
@@ -305,7 +322,7 @@ def test_a_stream_naming_a_session_ends_with_it(alpha):
     """A subscription made with a session id (the client library's) is checked like every
     rpc's and ends NOT_FOUND once that session ends; one without (0) is the socket's."""
     reply = attach(alpha)
-    start = head(alpha)
+    start = settled_head(alpha)
     mine = kv_events.subscribe(alpha, reply.session_id, start, reply.epoch, timeout=60)
     anyone = kv_events.subscribe(alpha, 0, start, reply.epoch, timeout=60)
     commit(alpha, reply.session_id, new_prompt(9))
@@ -324,7 +341,7 @@ def test_sigterm_ends_the_stream_unavailable(daemon, alpha):
     """Last in the module: it stops the daemon. A live stream ends UNAVAILABLE, naming where
     to resume, and the daemon exits 0 (the stream does not hold the drain)."""
     reply = attach(alpha)
-    start = head(alpha)
+    start = settled_head(alpha)
     outcome = {}
     ready = threading.Event()
 
