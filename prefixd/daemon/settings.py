@@ -126,8 +126,10 @@ class EventsConfig:
     """The KV-event journal (``prefixd.daemon.event_journal``): ``ring_size`` events kept per
     tenant for a subscriber that reconnects with ``from_sequence_number``; a subscriber more
     than ``subscriber_queue`` events behind is ended RESOURCE_EXHAUSTED (it resumes from the
-    ring). Memory: a run's hashes (16 bytes a block) per event, times ``ring_size +
-    subscriber_queue`` (the second part is a replay's slack: ``EventJournal``)."""
+    ring). Memory, per tenant: ``ring_size + subscriber_queue`` events (the second part is a
+    replay's slack: ``EventJournal``), each holding its run's hashes (~50 bytes a block, a
+    Python ``bytes`` each) and, for a commit's ``stored``, its token ids (4 bytes a token):
+    ~1.1 KB an event with gsp requests (``bench/engine.py``'s), so ~75 MB at the defaults."""
 
     ring_size: int = 65536
     subscriber_queue: int = 4096
