@@ -17,6 +17,12 @@ largest, 32 MiB on 64-bit) come from the heap, and up to ``TRIM_THRESHOLD`` of f
 its top is kept rather than returned: the daemon's RSS may stay up to that much above its
 live data after a burst of large messages. An operator's own malloc settings win: with
 ``GLIBC_TUNABLES`` naming ``glibc.malloc`` or a ``MALLOC_*_`` variable set, nothing changes.
+
+``heap_stats`` reads glibc's ``mallinfo2`` so that the kept memory shows: the metrics export
+``prefixd_heap_free_bytes`` (free inside the heap: kept by the thresholds, or fragments
+between live chunks) beside ``prefixd_heap_in_use_bytes``, and RSS less the first is what the
+daemon's data holds (the fuzz soak checks that for flatness: over 100k calls RSS rose ~25 MiB
+while the in-use bytes stayed within a few MiB, the rest free heap).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 
@@ -55,3 +62,39 @@ def keep_message_buffers(environ=os.environ) -> bool:
     if not ok:
         log.info("malloc thresholds not set (not glibc?): large messages may page-fault")
     return ok
+
+
+class HeapStats(NamedTuple):
+    """glibc's heap, from ``mallinfo2``: bytes in chunks handed out (``mmap``'d ones included)
+    and bytes free inside the heap (not returned to the OS)."""
+
+    in_use_bytes: int
+    free_bytes: int
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def _mallinfo2():
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):  # not glibc, or glibc before 2.33
+        return None
+    fn.argtypes = ()
+    fn.restype = _MallInfo2
+    return fn
+
+
+_MALLINFO2 = _mallinfo2()
+
+
+def heap_stats() -> HeapStats | None:
+    """The main process heap's use now, or None where the C library has no ``mallinfo2``.
+    Walks malloc's free lists: ~0.1 ms for a heap of a few hundred MiB (a scrape, not a call)."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return HeapStats(info.uordblks + info.hblkhd, info.fordblks)

@@ -26,6 +26,7 @@ import os
 import time
 from typing import NamedTuple
 
+from prefixd.daemon.heap import heap_stats
 from prefixd.wal.group import COMMIT_S_BOUNDS, GROUP_SIZE_BOUNDS
 
 TIERS = ("device", "host", "disk")
@@ -111,6 +112,12 @@ def snapshot(core) -> list[Family]:
         {}, replayed)
     add("prefixd_recovery_records", "gauge", "log records the last recovery had to replay", {},
         total)
+    heap = heap_stats()
+    if heap is not None:  # glibc: RSS less the free bytes is what the daemon's data holds
+        add("prefixd_heap_in_use_bytes", "gauge", "bytes of malloc's heap in use (glibc mallinfo2)",
+            {}, heap.in_use_bytes)
+        add("prefixd_heap_free_bytes", "gauge", "bytes free inside malloc's heap, kept rather than "
+            "returned to the OS (prefixd.daemon.heap)", {}, heap.free_bytes)
     if core.engine is not None:
         for (tenant, layout), dc in core.engine.pool_items():
             _pool(add, {"tenant": tenant, "model": layout.model_id}, dc, layout.block_size)

@@ -19,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefixd.api import prefixd_pb2 as pb
+from prefixd.daemon.heap import heap_stats
 from prefixd.daemon.metrics_http import scrape_unix
 from tests.daemon.harness import start_daemon
 
@@ -82,6 +83,9 @@ def test_scrape_has_every_family_design_names(daemon):
                  "prefixd_wal_group_records", "prefixd_recovery_seconds",
                  "prefixd_recovery_records_replayed", "prefixd_rpc_seconds", "prefixd_sessions"):
         assert name in fams, f"{name} missing from the scrape"
+    if heap_stats() is not None:  # glibc 2.33+: the free heap the daemon keeps shows
+        assert fams["prefixd_heap_free_bytes"].samples[0].value >= 0
+        assert fams["prefixd_heap_in_use_bytes"].samples[0].value > 1 << 20
     assert fams["prefixd_wal_commit_seconds"].type == "histogram"
     assert fams["prefixd_rpc_seconds"].type == "histogram"
     tiers = {s.labels["tier"] for s in fams["prefixd_blocks"].samples}
@@ -130,7 +134,7 @@ def test_stats_rpc_carries_the_scraped_numbers(daemon):
     checked = 0
     for fam in fams.values():
         if not fam.name.startswith("prefixd_") or fam.name.startswith(
-                ("prefixd_rpc", "prefixd_uptime", "prefixd_metrics", "prefixd_state")):
+                ("prefixd_rpc", "prefixd_uptime", "prefixd_metrics", "prefixd_state", "prefixd_heap")):
             continue  # these move with the calls themselves
         summed: dict[tuple, float] = {}
         for s in fam.samples:
