@@ -170,10 +170,14 @@ class Tiering:
                 s += n.slots[src]
                 d += slots[pos:pos + n.num_blocks]
                 pos += n.num_blocks
+            # NOTE: a run's checksums are taken when it first goes to DISK, the one tier whose
+            # blocks are checked (at recovery, or on first load); hashing host copies as well
+            # hashed every block twice, cost the engine bench's commit ~20 us a request, and
+            # gave numbers nothing read (docs/design.md, "Hashing once").
             results = {}
             for src, (s, d) in by_src.items():
                 verify = self._checksums_of(chain, src) if src == DISK else None
-                results[src] = store.copy(src, s, tier, d, verify=verify)
+                results[src] = store.copy(src, s, tier, d, verify=verify, checksums=tier == DISK)
             # checksums per run, in chain order (bytes are the same in every tier)
             cursor = {src: 0 for src in by_src}
             for n in chain:

@@ -8,7 +8,7 @@ API (slots are lists of ints, one per block; positions in the lists pair source 
     store.allocator(tier) -> SlotAllocator       # owned by the cache core; storage never allocates
     store.file_ids -> dict[Tier, bytes]          # persist these; pass them back as file_ids= on reopen
     store.descriptor(tier) -> dict               # shm path, offset, shape, strides, dtype (Attach)
-    store.copy(src_tier, src_slots, dst_tier, dst_slots, *, verify=None, durable=False) -> CopyResult
+    store.copy(src_tier, src_slots, dst_tier, dst_slots, *, verify=None, durable=False, checksums=True) -> CopyResult
     store.copy_async(...same...) -> Future[CopyResult]
     store.copy_within(tier, src_slots, dst_slots) -> None        # copy-on-write inside one tier
     store.sync(tier) -> None                     # DISK: fdatasync if anything was written; else no-op
@@ -20,9 +20,10 @@ API (slots are lists of ints, one per block; positions in the lists pair source 
     store.verify(tier, slots, checksums) -> list[bool]
     store.close()
 
-``CopyResult.checksums`` holds the checksum of every block written to HOST or DISK, or read from
-DISK; ``CopyResult.ok`` the per-block verdict when ``verify`` (expected checksums) was given for a
-DISK source: a block with ``ok=False`` was not written to the destination and must be dropped.
+``CopyResult.checksums`` holds the checksum of every block written to HOST (unless the copy was
+asked not to hash: ``checksums=False``) or DISK, or read from DISK; ``CopyResult.ok`` the
+per-block verdict when ``verify`` (expected checksums) was given for a DISK source: a block with
+``ok=False`` was not written to the destination and must be dropped.
 """
 
 from __future__ import annotations
@@ -157,13 +158,15 @@ class TierStore:
 
     # ----------------------------------------------------------------------------- movement
     def copy(self, src_tier: Tier, src_slots: Sequence[int], dst_tier: Tier, dst_slots: Sequence[int], *,
-             verify: Sequence[int] | None = None, durable: bool = False) -> CopyResult:
+             verify: Sequence[int] | None = None, durable: bool = False, checksums: bool = True) -> CopyResult:
         """Copy blocks ``src_slots`` of one tier into ``dst_slots`` of another, as one batch.
 
         Args:
             verify: expected checksums, one per block, when the source is DISK; a block that
                 does not match is reported ``ok=False`` and its bytes are not written.
             durable: when the destination is DISK, fdatasync before returning.
+            checksums: ``False``: a copy between memory tiers does not hash what it wrote
+                (``CopyResult.checksums`` is None); a copy into or out of DISK always does.
         Returns:
             CopyResult (see the module docstring).
         Raises:
@@ -197,7 +200,7 @@ class TierStore:
                                             dst, dst_slots, self._helper)
         else:
             result = movement.copy_tensors(src, src_slots, dst, dst_slots, self._helper,
-                                           want_checksums=dst_tier != DEVICE,
+                                           want_checksums=checksums and dst_tier != DEVICE,
                                            dst_first=-1 if dst_first is None else dst_first)
         if durable and dst_tier == DISK:
             self.sync(DISK)
