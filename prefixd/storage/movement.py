@@ -192,8 +192,17 @@ def _gather_inline(src_rows, src_slots: Sequence[int], dst_rows, dst_slots: Sequ
     ``mode="clip"``: under ``mode="raise"`` numpy buffers ``out`` (a hidden temporary).
     """
     n = len(dst_slots)
-    index = np.fromiter(src_slots, np.intp, n)
     first = run_start(dst_slots) if dst_first is None else dst_first
+    src_first = run_start(src_slots)
+    if src_first is not None:  # a promotion mostly reads one run: no gather, scatter from it
+        rows = src_rows[src_first:src_first + n]
+        if first is not None and first >= 0:
+            out = dst_rows[first:first + n]
+            np.copyto(out, rows)  # numpy copies through a buffer when the two overlap
+            return out
+        dst_rows[np.fromiter(dst_slots, np.intp, n)] = rows
+        return rows
+    index = np.fromiter(src_slots, np.intp, n)
     if first is not None and first >= 0:
         rows = dst_rows[first:first + n]
         src_rows.take(index, axis=0, out=rows, mode="clip")  # an overlapping out is copied first
