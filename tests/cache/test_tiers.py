@@ -159,3 +159,33 @@ def test_a_corrupt_disk_block_is_dropped_and_never_served(tiered, damage):
         other_seq = cache.open(toks(*other))
         assert other_seq.cached_tokens == 2  # the rest keeps serving
         pool.check(other_seq.block_table[:1], other[:2])
+
+
+def test_a_run_is_hashed_when_it_first_goes_to_disk_not_on_its_way_to_host(tiered, monkeypatch):
+    """Only disk blocks are ever checked against checksums: a host copy hashes nothing, and
+    the disk write takes them (once), then a disk read checks the bytes against them."""
+    cache, pool, store = tiered(device=4, host=4, disk=8, write_policy="write_back")
+    seen = []
+    real = store.copy
+
+    def copy(src, src_slots, dst, dst_slots, **kw):
+        result = real(src, src_slots, dst, dst_slots, **kw)
+        seen.append((src, dst, result.checksums))
+        return result
+
+    monkeypatch.setattr(store, "copy", copy)
+    tokens = [3, 1, 4, 1, 5]
+    _commit(cache, pool, tokens)
+    node = next(cache.tree.nodes())
+    assert cache.evict(4) >= 2  # device -> host
+    assert node.slots[HOST] is not None and node.checksums is None
+    assert seen[-1][:2] == (0, HOST) and seen[-1][2] is None
+    host_move = [e for e in cache.drain_events() if type(e).__name__ == "BlocksMoved" and e.tier == HOST]
+    assert host_move and host_move[-1].checksums == []  # the record carries none
+    assert cache.evict(2, HOST) == 2  # host -> disk: hashed now
+    assert node.slots[DISK] is not None and node.checksums == store.checksum(Tier.DISK, node.slots[DISK])
+    assert seen[-1][:2] == (HOST, DISK) and seen[-1][2] == node.checksums
+    seq = cache.open(toks(*tokens))  # disk -> device, checked against them
+    assert seq.cached_tokens == 4
+    pool.check(seq.block_table[:2], tokens[:4])
+    cache.check_invariants()
