@@ -8,6 +8,11 @@ NOTE: the hot path builds them with ``new_event(Cls, (fields...))`` (``tuple.__n
 NamedTuple's generated ``__new__`` costs ~3x more, and a request makes four or five events.
 
 Tiers are ints: 0 device, 1 host, 2 disk (``prefixd.cache.node.DEVICE`` ...).
+
+Invariant: an event never changes once it is made, payload lists included (a run's ``hashes``,
+``slots`` and ``checksums`` are the node's own lists, which the core replaces and never edits in
+place): the durable engine encodes events when their records are appended, which can be
+milliseconds later and on another thread (``prefixd.engine.ordered_log``).
 """
 
 from __future__ import annotations

@@ -26,12 +26,11 @@ from prefixd.engine import kv_io, reclaim
 from prefixd.engine.background import TICK_PERIOD_S, BackgroundWork, poison_on_storage_error
 from prefixd.engine.reclaim import Reclaimed
 from prefixd.engine.errors import DurabilityError
-from prefixd.cache.events import BlocksMoved
 from prefixd.cache.node import DISK, HOST, path_to
 from prefixd.engine.ordered_log import OrderedLog
 from prefixd.wal.tickets import DONE_NONE, done, failed
 from prefixd.engine.quarantine import Quarantine
-from prefixd.engine.records import CHECKPOINT_BLOCKS, event_records, replay_blocks
+from prefixd.engine.records import CHECKPOINT_BLOCKS, scan_events
 from prefixd.engine.recovery import recover
 from prefixd.crashpoints import crash_point
 from prefixd.api.tiers import Tier
@@ -314,17 +313,9 @@ class DurableCache(BackgroundWork):
             return order.position
         if self.wal.failure is not None:  # no more fdatasyncs: nothing will be acknowledged
             raise self.wal.failure
-        records = []
-        at = -1
-        blocks = 0
-        for e in events:
-            if at < 0 and type(e) is BlocksMoved and e.tier == DISK:
-                at = len(records)
-            record = event_records(e, session_id)
-            records.append(record)
-            blocks += replay_blocks(e)
+        at, blocks = scan_events(events)
         barrier = self.store.sync_async(DISK) if at >= 0 else None  # the int: see TierStore.copy
-        pos = order.submit(records, barrier, at)
+        pos = order.submit(events, session_id, barrier, at)
         self._quarantine.seal(pos)
         if self.event_listener is not None:
             self.event_listener(events)

@@ -2,11 +2,14 @@
 
 Structure::
 
-    submit(records, barrier, at) -> pos   records get positions pos-len+1 .. pos (engine thread)
-        nothing held and no barrier: appended now (WAL append: a lock, no I/O)
-        else records[:at] appended now if nothing is held; from records[at:] on, everything
+    submit(events, session_id, barrier, at) -> pos
+                                          the events' records get positions pos-len+1 .. pos
+                                          (engine thread)
+        nothing held and no barrier: encoded and appended now (WAL append: a lock, no I/O)
+        else events[:at] appended now if nothing is held; from events[at:] on, everything
         (later submissions too) waits until ``barrier`` (the disk fdatasync covering the bytes
-        those records name) resolves; the thread that resolves it appends them, in order
+        those records name) resolves; the thread that resolves it encodes and appends them,
+        in order
     ticket(pos, value) -> Future          resolved with ``value`` once every record <= pos is
                                           durable in the WAL (after its barriers)
     durable_position() -> pos             every record <= pos is durable (engine thread: cheap)
@@ -22,6 +25,14 @@ records in log order and splits runs where a record names a block inside one, so
 to disk appended after a later BLOCK_DROP of the same run (or a split of it) would not replay.
 See docs/design.md "Durability: the write order and recovery".
 
+NOTE: records are encoded when they are appended (``records.encode_events``), not when they
+are submitted: held behind a barrier, which is most of the time under a steady load (a spill's
+fdatasync takes milliseconds), they are encoded on the thread that resolves it, a batch at a
+time, off the serving thread, where encoding one record at a time cost ~5 us each in cold
+caches (docs/design.md, "The records' cost"). This relies on the events being immutable once
+made (``prefixd.cache.events``): a payload list changed in place later would be logged as
+changed. ``tests/engine/test_ordered_log.py`` holds the engine to it.
+
 NOTE: positions, not lsns, are what the engine hands out: a record held behind a barrier has no
 lsn yet. ``marks`` map positions to lsns as records are appended, and the durable watermark
 (``durable_position``) is read from the WAL's durable lsn through them.
@@ -36,13 +47,15 @@ from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 from prefixd.crashpoints import crash_point
+from prefixd.engine.records import encode_events
 
 log = logging.getLogger(__name__)
 
 
 class _Held(NamedTuple):
     barrier: Future | None  # None: only waits for the segments before it
-    records: list  # (kind, fields, blob)
+    batches: list  # (events, session_id), in order
+    count: int  # events in ``batches``
     last_pos: int
 
 
@@ -50,7 +63,7 @@ class OrderedLog:
     """Appends the engine's records to ``wal`` in order; hands out tickets by position.
 
     Args:
-        wal: the ``prefixd.wal.Wal`` (``append``, ``flush``, ``fail``, ``durable_lsn``).
+        wal: the ``prefixd.wal.Wal`` (``append_values``, ``flush_into``, ``fail``, ``durable_lsn``).
     """
 
     def __init__(self, wal) -> None:
@@ -77,36 +90,49 @@ class OrderedLog:
 
     @property
     def num_held(self) -> int:
-        return sum(len(h.records) for h in self._held)
+        return sum(h.count for h in self._held)
 
-    def submit(self, records: list, barrier: Future | None = None, at: int = 0) -> int:
-        """Queue ``records`` (``(kind, fields, blob)``) after everything submitted before.
+    def submit(self, events: list, session_id: int = 0, barrier: Future | None = None, at: int = 0) -> int:
+        """Queue the records of ``events`` (the cache's, in order; OPEN records carry
+        ``session_id``) after everything submitted before.
 
         Args:
-            barrier: a Future that ``records[at:]`` (and everything after them) must wait for.
+            barrier: a Future that the records of ``events[at:]`` (and everything after them)
+                must wait for.
         Returns:
             The position of the last record.
         Raises:
             WalFailedError (or the barrier's error made one): the log failed; nothing appended.
+            An event that has no record fails the log the same way (its effects are in memory
+            and can never be logged).
         """
         first = self._position + 1
-        last = self._position = self._position + len(records)
+        last = self._position = self._position + len(events)
+        failure = None
         with self._lock:
             if self._failure is not None:
                 raise self._failure
             if not self._held:
-                now = records if barrier is None else records[:at]
+                now = events if barrier is None else events[:at]
                 if now:
-                    self._append(now, first + len(now) - 1)
-                if barrier is None:
-                    return last
-                records = records[at:]
-            held = self._held
-            if barrier is None and held and held[-1].barrier is None:
-                prev = held.pop()
-                held.append(_Held(None, prev.records + records, last))
-            else:
-                held.append(_Held(barrier, records, last))
+                    try:
+                        self._append([(now, session_id)], first + len(now) - 1)
+                    except BaseException as exc:  # noqa: BLE001 - fails the log, below
+                        failure = exc
+                if barrier is None or failure is not None:
+                    events = []
+                else:
+                    events = events[at:]
+            if events:
+                held = self._held
+                if barrier is None and held and held[-1].barrier is None:
+                    prev = held.pop()
+                    held.append(_Held(None, prev.batches + [(events, session_id)], prev.count + len(events), last))
+                else:
+                    held.append(_Held(barrier, [(events, session_id)], len(events), last))
+        if failure is not None:
+            self._fail(failure)
+            raise self._failure  # type: ignore[misc]
         if barrier is not None:
             barrier.add_done_callback(self._drain)
         return last
@@ -161,11 +187,15 @@ class OrderedLog:
 
     # --- internals ---------------------------------------------------------------------------
 
-    def _append(self, records: list, last_pos: int) -> None:
-        """Under ``_lock``: append to the WAL, remember the mark, resolve tickets now covered."""
-        lsn = self._wal.append_many(records)
+    def _append(self, batches: list, last_pos: int) -> None:
+        """Under ``_lock``: encode ``batches`` (``(events, session_id)``), append them to the
+        WAL, remember the mark, resolve tickets now covered."""
+        values: list[bytes] = []
+        for events, session_id in batches:
+            values += encode_events(events, session_id)
+        lsn = self._wal.append_values(values)
         self._appended = last_pos
-        if records:
+        if values:
             self._marks.append((last_pos, lsn))
         waiting = self._waiting
         if waiting and waiting[0][0] <= last_pos:
@@ -192,7 +222,7 @@ class OrderedLog:
                     crash_point("commit_data_synced")
                 held.popleft()
                 try:
-                    self._append(head.records, head.last_pos)
+                    self._append(head.batches, head.last_pos)
                 except BaseException as exc:  # noqa: BLE001 - the WAL failed: fail every ticket
                     failure = exc
                     break
@@ -220,7 +250,8 @@ class OrderedLog:
         with self._lock:
             pos = self._appended
             for h in self._held:
-                assert h.last_pos - len(h.records) == pos, "held records out of order"
+                assert h.count == sum(len(events) for events, _ in h.batches), "a held count is wrong"
+                assert h.last_pos - h.count == pos, "held records out of order"
                 pos = h.last_pos
             assert pos == self._position, "positions handed out but neither appended nor held"
             marks = list(self._marks)

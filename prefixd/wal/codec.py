@@ -93,6 +93,13 @@ def encode(kind: int, fields: tuple, blob: bytes = b"") -> bytes:
     return head + _CRC_PACK(_crc32c(head))
 
 
+def frame(body: bytes) -> bytes:
+    """``body`` (kind | fixed fields | blob, packed by the kind's ``struct``) with its crc32c
+    appended: the value ``encode`` makes, for an encoder that packs its own fields and knows
+    its kind's layout (``prefixd.engine.records``). Nothing about ``body`` is checked here."""
+    return body + _CRC_PACK(_crc32c(body))
+
+
 def _encode_error(kind: object, fields: tuple, exc: Exception) -> ValueError:
     codec = CODECS[kind] if isinstance(kind, int) and 0 <= kind < 256 else None
     if codec is None:

@@ -125,6 +125,11 @@ class GroupCommitter(CommitterLoop):
         added under one acquisition; returns the last lsn (the one before, if none)."""
         return self._add([encode(kind, fields, blob) for kind, fields, blob in records])
 
+    def append_values(self, values) -> int:
+        """Add values encoded already (``codec.frame``), in order, under one lock; returns the
+        last lsn. See ``Wal.append_values``."""
+        return self._add(values)
+
     def _add(self, values) -> int:
         """Give encoded ``values`` the next lsns, in order, under one lock; returns the last."""
         if self._pid != _pid[0]:

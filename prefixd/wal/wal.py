@@ -138,6 +138,7 @@ class Wal:
         # below, which stays for its documentation.
         self.append = self._committer.append  # type: ignore[method-assign]
         self.append_many = self._committer.append_many  # type: ignore[method-assign]
+        self.append_values = self._committer.append_values  # type: ignore[method-assign]
         self._committer.start()
 
     # --- appending ----------------------------------------------------------------------------------
@@ -166,6 +167,17 @@ class Wal:
             The lsn of the last record. Raises as ``append`` (nothing appended on a bad record).
         """
         return self._committer.append_many(records)  # shadowed in __init__
+
+    def append_values(self, values) -> int:
+        """Buffer record values encoded already (``prefixd.wal.codec.frame`` of a kind's packed
+        fields and blob), in order, under one lock: the engine's path, which packs each kind
+        itself (``prefixd.engine.records.encode_events``). Nothing is re-checked: a value must
+        be a well-formed record, or replay refuses the log there.
+
+        Returns:
+            The lsn of the last value (the one before, if none).
+        """
+        return self._committer.append_values(values)  # shadowed in __init__
 
     def flush(self) -> Future:
         """A ticket for every record appended so far (by any thread).
