@@ -220,14 +220,53 @@ class Tiering:
                 self.write_down(node, tier)
 
     def spill(self) -> int:
-        """Write the runs waiting for disk (``defer_disk``); returns how many went down."""
+        """Write the runs waiting for disk (``defer_disk``), each with its ancestors missing
+        there; returns how many of the waiting runs went down.
+
+        All of them as one batch when the disk tier has room for all (one allocation, one copy
+        per source tier: one snapshot and one writer job), else one run at a time, as many as
+        fit (``write_down``'s best effort).
+
+        NOTE: one ``write_down`` per run was one store copy per run: with 512-byte blocks a
+        spill of 256 blocks made ~12 copies, each with its gather, hashing call, writer job and
+        range checks, as many copies as all the commits' host write-throughs together (the rpc
+        bench's daemon profile)."""
         pending, self.pending_disk = self.pending_disk, []
         self.pending_disk_blocks = 0
-        done = 0
+        chains: list[list[Node]] = []
+        anchors: list[Node] = []
+        taken: set[int] = set()
         for node in pending:
-            if node.slots[DISK] is None and attached(node) and self.write_down(node, DISK):
-                done += 1
-        return done
+            if node.slots[DISK] is not None or not attached(node):
+                continue
+            chain = []
+            up = node
+            while up.parent is not None and up.slots[DISK] is None and id(up) not in taken:
+                chain.append(up)
+                up = up.parent
+            if chain:  # else an earlier run's chain holds it
+                chain.reverse()
+                taken.update(map(id, chain))
+                chains.append(chain)
+                anchors.append(up)  # on disk, the root, or in an earlier chain of this batch
+        if not chains:
+            return 0
+        runs = [n for chain in chains for n in chain]
+        held = anchors + runs
+        tree = self.tree
+        for n in held:
+            tree.lock(n)
+        try:
+            slots = self.cache.allocation.allocate(DISK, sum(n.num_blocks for n in runs))
+            if slots is not None:
+                self._copy_into(runs, DISK, slots)  # parents first: chains in order
+                return len(chains)
+        finally:
+            for n in held:
+                tree.unlock(n)
+        log.debug("spill of %d runs one at a time: no room for all at once", len(chains))
+        return sum(1 for chain in chains if chain[-1].slots[DISK] is None and attached(chain[-1])
+                   and self.write_down(chain[-1], DISK))
 
     # -- promotion -----------------------------------------------------------------------
 

@@ -189,3 +189,53 @@ def test_a_run_is_hashed_when_it_first_goes_to_disk_not_on_its_way_to_host(tiere
     assert seq.cached_tokens == 4
     pool.check(seq.block_table[:2], tokens[:4])
     cache.check_invariants()
+
+
+def _count_copies(monkeypatch, store):
+    seen = []
+    real = store.copy
+
+    def copy(src, src_slots, dst, dst_slots, **kw):
+        seen.append((src, dst, len(list(dst_slots))))
+        return real(src, src_slots, dst, dst_slots, **kw)
+
+    monkeypatch.setattr(store, "copy", copy)
+    return seen
+
+
+def test_a_spill_writes_every_waiting_run_in_one_copy_per_source_tier(tiered, monkeypatch):
+    cache, pool, store = tiered(device=16, host=16, disk=16)
+    cache.tiering.defer_disk = True
+    prompts = [[7, 1, 2, 3, 4], [7, 1, 2, 3, 4, 5, 6, 8, 9], [8, 8, 1, 1, 2]]  # the 2nd extends the 1st
+    for tokens in prompts:
+        _commit(cache, pool, tokens)
+    assert cache.tiering.pending_disk_blocks > 0
+    seen = _count_copies(monkeypatch, store)
+    assert cache.tiering.spill() == 3
+    assert [s for s in seen if s[1] == DISK] == [(0, DISK, 2 + 2 + 2)]  # one copy, every block
+    for node in cache.tree.nodes():
+        assert node.slots[DISK] is not None and node.checksums == store.checksum(Tier.DISK, node.slots[DISK])
+    cache.check_invariants()
+    assert cache.evict(16) and cache.evict(16, HOST)  # only the disk copies are left
+    for tokens in prompts:
+        seq = cache.open(toks(*tokens))
+        assert seq.cached_tokens == len(tokens) // BS * BS
+        pool.check(seq.block_table[:len(tokens) // BS], tokens[:len(tokens) // BS * BS])
+        cache.release(seq.id)
+    cache.check_invariants()
+
+
+def test_a_spill_without_room_for_all_goes_one_run_at_a_time(tiered, monkeypatch):
+    """3 runs of 2 blocks, 3 disk slots: no room for the batch, so each run is written alone
+    (each evicting the last from disk, as a write-down does); the index stays whole."""
+    cache, pool, store = tiered(device=16, host=16, disk=3)
+    cache.tiering.defer_disk = True
+    for tokens in ([1, 2, 3, 4, 0], [5, 6, 7, 8, 0], [9, 9, 9, 9, 0]):
+        _commit(cache, pool, tokens)
+    seen = _count_copies(monkeypatch, store)
+    assert cache.tiering.spill() == 3
+    assert [s for s in seen if s[1] == DISK] == [(0, DISK, 2)] * 3
+    on_disk = [n for n in cache.tree.nodes() if n.slots[DISK] is not None]
+    assert len(on_disk) == 1 and on_disk[0].checksums == store.checksum(Tier.DISK, on_disk[0].slots[DISK])
+    assert len(list(cache.tree.nodes())) == 3 and cache.tiering.pending_disk == []
+    cache.check_invariants()
