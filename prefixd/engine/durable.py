@@ -60,7 +60,7 @@ class DurableCache(BackgroundWork):
         reclaim_grace_s: how long recovered sequences wait for their client.
         checkpoint_records: fold the log into a checkpoint after this many records.
         checkpoint_blocks: ... or once replaying the records since the last checkpoint would
-            decode this many blocks (``replay_blocks``; see the NOTE), whichever comes first.
+            decode this many blocks (``records.Scan.blocks``; see the NOTE), whichever comes first.
         spill_blocks: batch size of write-through to disk (runs wait until this many blocks).
         forget_missing_tier: a disk pool file that is gone while the index names blocks in it
             is refused (``TierLostError``); True drops those blocks at recovery instead and
@@ -69,7 +69,7 @@ class DurableCache(BackgroundWork):
         cluster: a ``ClusterConfig``: the Redis Cluster tier below disk (write-behind of
             committed blocks, fetch on a local miss: ``prefixd.engine.cluster_tier``), or None.
 
-    NOTE (checkpoint trigger): see ``prefixd.engine.records.replay_blocks``.
+    NOTE (checkpoint trigger): see ``prefixd.engine.records.CHECKPOINT_BLOCKS``.
 
     NOTE (expiry without a timer): recovered sequences hold their blocks for
     ``reclaim_grace_s``; every mutating call (open, extend, fork, commit, release) first
@@ -98,7 +98,7 @@ class DurableCache(BackgroundWork):
         self.state_dir = state_dir
         self.checkpoint_records = checkpoint_records
         self.checkpoint_blocks = checkpoint_blocks
-        self._tail_blocks = 0  # ``replay_blocks`` of the records since the last checkpoint
+        self._tail_blocks = 0  # ``Scan.blocks`` of the records since the last checkpoint
         self.spill_blocks = spill_blocks
         self.forget_missing_tier = forget_missing_tier
         self.progress = progress  # a ``RecoveryProgress`` to count replayed records into, or None

@@ -2,8 +2,8 @@
 
 The WAL stores ``kind | fixed fields | blob | crc32c`` (``prefixd.wal.codec``); this module
 defines the blob of each kind the cache writes, and is the one place that knows it: the
-encoders (``encode_event``, ``encode_events``; ``scan_events``) and the decoders (``decode_*``, and the ``RUN`` offsets that
-replay's hot loop binds) sit side by side. Hashes are 16 bytes, slots u32 little-endian,
+encoders (``encode_event``, ``encode_events``, with ``scan_events``) and the decoders
+(``decode_*``, and the ``RUN`` offsets that replay's hot loop binds) sit side by side. Hashes are 16 bytes, slots u32 little-endian,
 checksums u64 little-endian.
 
 =============  ================================================================
@@ -171,7 +171,11 @@ class Scan(NamedTuple):
     """What the engine's log step needs of a batch of events before they are encoded:
     ``first_disk_move`` the index of the first move into the disk tier (-1: none), where
     the records start naming disk slots (a disk barrier starts there); ``blocks`` what a
-    replay of their records decodes block by block (``replay_blocks``, summed)."""
+    replay of their records decodes block by block, the checkpoint trigger's unit (counted
+    alike by ``Replayer.blocks``): a stored run's hashes and tokens, the slots (and
+    checksums) of a copy into host or disk, the hashes of a forgotten run. A move into the
+    device or a drop that leaves a copy elsewhere names its run by its ends: one lookup,
+    whatever its length (the record bound covers those)."""
 
     first_disk_move: int
     blocks: int
@@ -314,21 +318,9 @@ def decode_recover(value) -> tuple[int, bool]:
 # tokens, the slots and checksums of a move into host or disk, the hashes of a forgotten
 # run): with 12k-token prompts a 44k-record tail named 3.1M blocks and replayed in 2.3-3.0 s.
 # So a checkpoint is due once the tail would make replay decode ``checkpoint_blocks`` blocks
-# (``replay_blocks``), or once it holds ``checkpoint_records`` records, whichever comes
+# (``Scan.blocks``), or once it holds ``checkpoint_records`` records, whichever comes
 # first; a replayed tail counts toward both until the next checkpoint. The default,
 # ``CHECKPOINT_BLOCKS``, is about what the reference 100k-record tail of ``bench/recovery.py``
 # decodes (so either bound alone costs a replay like the one that keeps a 1M-block restart
 # within its 1.0 s target); its long-prompt case shows the tail bounded.
 CHECKPOINT_BLOCKS = 500_000  # default bound on the blocks a replay of the tail decodes (NOTE above)
-
-
-def replay_blocks(event) -> int:
-    """The blocks a replay of ``event``'s record decodes one by one (the checkpoint trigger's
-    unit, counted alike by ``Replayer.blocks``): a stored run's hashes and tokens, the slots
-    (and checksums) of a copy into host or disk, the hashes of a forgotten run. A move into
-    the device or a drop that leaves a copy elsewhere names its run by its ends: one lookup,
-    whatever its length (the record bound covers those)."""
-    t = type(event)
-    if t is BlocksStored or (t is BlocksMoved and event.tier != DEVICE) or (t is BlocksDropped and event.forgotten):
-        return len(event.hashes)
-    return 0

@@ -73,7 +73,7 @@ class Replayer:
         self.where: dict[bytes, Node] | None = None
         self.runs: dict[bytes, Node] = {}  # first hash || last hash -> the node that is exactly that run
         self.records = 0
-        self.blocks = 0  # blocks decoded one by one (``prefixd.engine.records.replay_blocks``)
+        self.blocks = 0  # blocks decoded one by one (``prefixd.engine.records.Scan.blocks``)
         self.device_runs: list[Node] = []
         self.max_seq_id = 0  # the highest sequence id an OPEN or FORK record named
         self.device_runs_missed = 0  # restarts whose device runs were not all tracked (a bug)
