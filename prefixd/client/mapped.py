@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 # storage): magic, version, kind, data_offset, block_bytes, num_slots, file_id, layout_len.
 POOL_MAGIC = b"PFXDPOOL"
 _HEADER = struct.Struct("<8sIIQQQ16sI")
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only
 
 
 class MappedPool:
@@ -170,7 +171,9 @@ def _map_file(desc: pb.PoolDescriptor, shape, strides, dtype: torch.dtype) -> Ma
         if desc.offset + extent > size:
             raise MappingError(f"{path} is {size} bytes, too short for a pool of shape {shape} at "
                                f"offset {desc.offset}")
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        # populated, as the daemon maps it (prefixd.storage.pools NOTE): a store into the pool
+        # must not pay a page fault per 4 KB the first time this process touches it
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as exc:
         raise MappingError(f"cannot map pool file {path}: {exc}") from None
     finally:

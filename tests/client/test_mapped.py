@@ -14,6 +14,7 @@ from prefixd.client.mapped import map_pool
 from prefixd.client.wire import pack_tokens
 from prefixd.kernels import layer_kv, reference
 from prefixd.storage.pools import TensorPool
+from tests.storage.proc_maps import need_populate, resident_bytes
 
 LAYOUT = KVLayout("mapped-test", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4)
 NUM_BLOCKS = 32
@@ -51,6 +52,17 @@ def test_a_mapped_pool_aliases_the_daemons_memory_both_ways(daemon_pool):
     assert torch.equal(mapped.tensor[3], daemon_pool.tensor[3])
     mapped.tensor[5].fill_(-2.0)
     assert torch.equal(daemon_pool.tensor[5], torch.full_like(daemon_pool.tensor[5], -2.0))
+
+
+def test_the_client_maps_the_pool_populated(daemon_pool):
+    """A mapped store never pays a page fault per 4 KB on its first touch: the client's
+    mapping is populated as the daemon's is. Counted apart from the daemon's own mapping
+    (both are this process's here): the client's adds every page again."""
+    need_populate()
+    before = resident_bytes(daemon_pool.path)
+    mapped = map_pool(descriptor(daemon_pool), LAYOUT)
+    assert resident_bytes(daemon_pool.path) - before >= NUM_BLOCKS * LAYOUT.block_bytes
+    del mapped
 
 
 def test_mapped_write_and_read_go_through_the_block_table(daemon_pool):

@@ -17,6 +17,9 @@ from prefixd.storage.poolfile import PoolHeader
 from prefixd.api.tiers import Tier
 from prefixd.storage.tier_store import TierStore
 
+from prefixd.storage.pools import TensorPool
+from tests.storage.proc_maps import need_populate, resident_bytes
+
 from .conftest import SMALL, block_data, same_bytes
 
 
@@ -59,6 +62,19 @@ def test_shm_pool_in_dev_shm_is_mappable_by_path(tmp_path):
     finally:
         store.close()
         os.unlink(os.path.join("/dev/shm", f"{name}.host.pool"))
+
+
+def test_a_pool_file_is_mapped_populated(tmp_path):
+    """Every page of a memory pool is in the page tables once it is mapped: the serving path
+    never pays a page fault for a block's first touch (prefixd.storage.pools NOTE). Fails
+    without ``MAP_POPULATE``: a fresh mapping has nothing resident until touched."""
+    need_populate()
+    path = str(tmp_path / "host.pool")
+    pool = TensorPool(SMALL, int(Tier.HOST), 64, path=path, fresh=True)
+    try:
+        assert resident_bytes(path) >= 64 * SMALL.block_bytes
+    finally:
+        pool.close()
 
 
 def _header_of(layout: KVLayout, kind=Tier.DISK, n=8, file_id=b"\1" * 16) -> PoolHeader:
