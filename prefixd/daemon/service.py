@@ -17,6 +17,7 @@ import asyncio
 import logging
 import os
 import shutil
+import struct
 
 import grpc
 
@@ -35,7 +36,6 @@ from prefixd.storage.errors import StorageError
 
 log = logging.getLogger(__name__)
 
-_INT32 = "<i4"
 
 
 def tokens_of(raw: bytes) -> bytes:
@@ -49,9 +49,9 @@ def tokens_of(raw: bytes) -> bytes:
 
 
 def table_bytes(table) -> bytes:
-    import numpy as np
-
-    return np.asarray(table, dtype=_INT32).tobytes()
+    """A block table as packed little-endian int32 (``struct``: half numpy's time for the
+    ~136 entries of a 2k-token reply, with no array made on the way)."""
+    return struct.pack(f"<{len(table)}i", *table)
 
 
 def seq_reply(seq) -> pb.SequenceReply:
