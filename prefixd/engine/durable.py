@@ -227,60 +227,76 @@ class DurableCache(BackgroundWork):
         if commit and durability not in DURABILITY:
             raise ValueError(f"durability must be one of {DURABILITY}, got {durability!r}")
         self._expire_if_due()
-        ticket = None
         if commit:
             seq = self.cache.sequence(seq_id)
             added = self.cache.commit(seq_id)
             if self.cluster is not None:
                 self.cluster.after_commit(seq, durability, added)
-            ticket = self._make_durable(seq, durability, None)
+            return self._make_durable(seq, durability, None, then=lambda: self._drop(seq_id))
+        self._drop(seq_id)
+        self._log()
+        return DONE_NONE
+
+    def _drop(self, seq_id: int) -> None:
         self.cache.release(seq_id)
         self._sessions.pop(seq_id, None)
-        self._log()
-        return ticket if ticket is not None else DONE_NONE
 
     # -- the write order -----------------------------------------------------------------------
 
-    def _make_durable(self, seq, durability: str, value) -> Future:
+    def _make_durable(self, seq, durability: str, value, then=None) -> Future:
         """THE write order of a commit: block bytes -> (fsync) -> WAL commit -> acknowledged.
 
         1. ``index``: the blocks are already shareable; their records ride in the next group.
         2. Bytes down: every run on the sequence's path gets a copy in a tier that survives
            what was asked (``crash``: host shm or disk; ``power``: disk). Disk writes are
            queued on the store's writer thread (``TierStore.write_behind``).
-        3. ``_log``: the records go into the ordered queue (``OrderedLog``); if one names a
+        3. ``then()`` when given (a committing release drops its sequence here): its records
+           follow the commit's in the same submission.
+        4. ``_log``: the records go into the ordered queue (``OrderedLog``); if one names a
            disk slot as holding data, it and everything after it wait for an fdatasync of
            the disk pool that covers the written bytes (data before metadata), then are
            appended in order.
-        4. The ticket resolves once the WAL group holding this commit's last record is
+        5. The ticket resolves once the WAL group holding this commit's last record is
            committed and fsynced; only then may the commit be acknowledged. Slots freed by
            evictions on the way become reusable once their records are durable (``_reclaim``).
 
         Returns the ticket, resolved with ``value``.
+
+        NOTE: one ``_log`` for a committing release, not one for the commit and one for the
+        release: the second submission and its periodic checks ran after the WAL was asked
+        for the group, while the committer waited for the GIL the serving thread held (the
+        ``flush_to_woken`` stage of ``bench/rpc_stages.py``).
         """
+        short = None
+        if durability != "index":
+            short = self._bytes_down(seq, durability)
+            if short is None:
+                crash_point("commit_data_written")
+        if then is not None:
+            then()
+        pos = self._log()  # a short commit's blocks are indexed: their records go down as ``index``'s
+        if short is not None:
+            return failed(short)
         if durability == "index":
-            self._log()
             return done(value)
+        return self._order.ticket(pos, value)
+
+    def _bytes_down(self, seq, durability: str) -> DurabilityError | None:
+        """Step 2 of ``_make_durable``: None once every run on ``seq``'s path has a copy that
+        survives ``durability``, else the error (no room in the tier)."""
         tiering = self.cache.tiering
         want = DISK if durability == "power" else HOST
-        short = None
         if self.cache.allocators[want] is None:
             if want == DISK:
-                short = DurabilityError("power durability needs a disk tier; this cache has none")
+                return DurabilityError("power durability needs a disk tier; this cache has none")
             want = DISK  # crash durability without a host tier: the disk serves
-        if short is None:
-            for node in path_to(seq.node):
-                if node.slots[DISK] is not None or (want == HOST and node.slots[HOST] is not None):
-                    continue
-                if not tiering.write_down(node, want):
-                    short = DurabilityError(f"cannot make sequence {seq.id} {durability}-durable: "
-                                            f"no room in the {'disk' if want == DISK else 'host'} tier")
-                    break
-        if short is not None:
-            self._log()  # the blocks are indexed: their records go down like an ``index`` commit's
-            return failed(short)
-        crash_point("commit_data_written")
-        return self._order.ticket(self._log(), value)
+        for node in path_to(seq.node):
+            if node.slots[DISK] is not None or (want == HOST and node.slots[HOST] is not None):
+                continue
+            if not tiering.write_down(node, want):
+                return DurabilityError(f"cannot make sequence {seq.id} {durability}-durable: "
+                                       f"no room in the {'disk' if want == DISK else 'host'} tier")
+        return None
 
     def _log(self, session_id: int = 0, keep_headroom: bool = True) -> int:
         """Drain the cache's events into the ordered queue; then the periodic work (release

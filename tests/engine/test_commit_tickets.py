@@ -212,3 +212,23 @@ def test_open_leaves_the_headroom_to_the_next_call_or_tick(make, restorer):
         dc.tick()
     assert host.num_free + host.num_deferred >= 4, f"{restorer} did not restore the headroom"
     dc.check_invariants()
+
+
+def test_a_committing_release_logs_once_and_its_ticket_covers_the_release(make, monkeypatch):
+    """One submission for the commit's records and the release's, under one ticket: the
+    release no longer logs again after the WAL was asked for the group (the serving thread
+    held the GIL the committer waited for). Once the ticket resolves, every record of the
+    release is durable too."""
+    dc = make()
+    seq = _open_written(dc, [1, 2, 3, 4, 5, 6])
+    submits = []
+    real = dc._order.submit
+    monkeypatch.setattr(dc._order, "submit", lambda events, *a, **kw: submits.append(len(events)) or real(events, *a, **kw))
+    ticket = dc.release(seq.id, commit=True, durability="crash")
+    last = dc._order.position
+    assert len(submits) == 1, f"a committing release submitted {len(submits)} batches: {submits}"
+    ticket.result(timeout=30)
+    assert dc._order.durable_position() >= last
+    with pytest.raises(Exception, match=str(seq.id)):
+        dc.sequence(seq.id)
+    dc.check_invariants()
