@@ -21,11 +21,13 @@ the pool split; a Prometheus query sums the same way with ``sum without (model)`
 from __future__ import annotations
 
 import bisect
+import gc
 import json
 import os
 import time
 from typing import NamedTuple
 
+from prefixd.daemon import collector
 from prefixd.daemon.heap import heap_stats
 from prefixd.wal.group import COMMIT_S_BOUNDS, GROUP_SIZE_BOUNDS
 
@@ -118,6 +120,11 @@ def snapshot(core) -> list[Family]:
             {}, heap.in_use_bytes)
         add("prefixd_heap_free_bytes", "gauge", "bytes free inside malloc's heap, kept rather than "
             "returned to the OS (prefixd.daemon.heap)", {}, heap.free_bytes)
+    add("prefixd_gc_frozen_objects", "gauge", "objects alive when serving began, which the "
+        "collector no longer walks (prefixd.daemon.collector)", {}, gc.get_freeze_count())
+    for generation, n in enumerate(collector.collections()):
+        add("prefixd_gc_collections", "counter", "cyclic garbage collections by generation (2: "
+            "full)", {"generation": str(generation)}, n)
     if core.engine is not None:
         for (tenant, layout), dc in core.engine.pool_items():
             _pool(add, {"tenant": tenant, "model": layout.model_id}, dc, layout.block_size)

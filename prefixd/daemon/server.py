@@ -38,6 +38,7 @@ from grpc_reflection.v1alpha import reflection
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.daemon.settings import DaemonConfig, TenantSocket
 from prefixd.daemon.handlers import add_service
+from prefixd.daemon.collector import freeze_startup_heap
 from prefixd.daemon.core import SERVING, STOPPING, DaemonCore
 from prefixd.daemon.config_watch import ConfigWatch
 from prefixd.daemon.lifecycle import Lifecycle
@@ -117,6 +118,7 @@ class Daemon:
                 lock.release()
             raise
         self.core.engine.set_event_listener(self.core.events.observe)  # KV events for routers
+        freeze_startup_heap()  # imports and the recovered index: no full collection walks them again
         self.core.state = SERVING
         for _, health_servicer in self._servers:
             await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
