@@ -38,6 +38,11 @@ def freeze_startup_heap() -> int:
     return frozen
 
 
+def frozen() -> int:
+    """Objects in the permanent generation (what ``freeze_startup_heap`` moved there)."""
+    return gc.get_freeze_count()
+
+
 def collections() -> list[int]:
     """Collections so far, by generation (0, 1, 2)."""
     return [g["collections"] for g in gc.get_stats()]

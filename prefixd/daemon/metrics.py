@@ -21,7 +21,6 @@ the pool split; a Prometheus query sums the same way with ``sum without (model)`
 from __future__ import annotations
 
 import bisect
-import gc
 import json
 import os
 import time
@@ -121,7 +120,7 @@ def snapshot(core) -> list[Family]:
         add("prefixd_heap_free_bytes", "gauge", "bytes free inside malloc's heap, kept rather than "
             "returned to the OS (prefixd.daemon.heap)", {}, heap.free_bytes)
     add("prefixd_gc_frozen_objects", "gauge", "objects alive when serving began, which the "
-        "collector no longer walks (prefixd.daemon.collector)", {}, gc.get_freeze_count())
+        "collector no longer walks (prefixd.daemon.collector)", {}, collector.frozen())
     for generation, n in enumerate(collector.collections()):
         add("prefixd_gc_collections", "counter", "cyclic garbage collections by generation (2: "
             "full)", {"generation": str(generation)}, n)

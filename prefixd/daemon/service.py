@@ -37,7 +37,6 @@ from prefixd.storage.errors import StorageError
 log = logging.getLogger(__name__)
 
 
-
 def tokens_of(raw: bytes) -> bytes:
     """Packed int32 token ids from a request field (checked)."""
     if not isinstance(raw, bytes) or len(raw) % 4:
