@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 
 from prefixd.cache.events import BlocksDropped, BlocksMoved, new_event
-from prefixd.cache.node import DEVICE, DISK, HOST, TIER_NAMES, Node, attached, split
+from prefixd.cache.node import DEVICE, DISK, HOST, TIER_NAMES, Node, attached, path_to, split
 from prefixd.crashpoints import crash_point
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,17 @@ class Tiering:
         return None
 
     # -- moving bytes down ---------------------------------------------------------------
+
+    def write_path_down(self, node: Node, tier: int) -> bool:
+        """Give every run on the path to ``node`` a copy that survives in ``tier`` (a disk copy
+        counts for HOST too: it survives more), copying what is missing (``write_down``);
+        False when the tier has no room (the runs copied so far keep their copies)."""
+        for n in path_to(node):
+            if n.slots[DISK] is not None or (tier == HOST and n.slots[HOST] is not None):
+                continue
+            if not self.write_down(n, tier):
+                return False
+        return True
 
     def write_down(self, node: Node, tier: int | None) -> bool:
         """Copy ``node`` (and its ancestors missing there) into ``tier``; best effort.

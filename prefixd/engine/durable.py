@@ -26,7 +26,7 @@ from prefixd.engine import kv_io, reclaim
 from prefixd.engine.background import TICK_PERIOD_S, BackgroundWork, poison_on_storage_error
 from prefixd.engine.reclaim import Reclaimed
 from prefixd.engine.errors import DurabilityError
-from prefixd.cache.node import DISK, HOST, path_to
+from prefixd.cache.node import DISK, HOST
 from prefixd.engine.ordered_log import OrderedLog
 from prefixd.wal.tickets import DONE_NONE, done, failed
 from prefixd.engine.quarantine import Quarantine
@@ -284,19 +284,15 @@ class DurableCache(BackgroundWork):
     def _bytes_down(self, seq, durability: str) -> DurabilityError | None:
         """Step 2 of ``_make_durable``: None once every run on ``seq``'s path has a copy that
         survives ``durability``, else the error (no room in the tier)."""
-        tiering = self.cache.tiering
         want = DISK if durability == "power" else HOST
         if self.cache.allocators[want] is None:
             if want == DISK:
                 return DurabilityError("power durability needs a disk tier; this cache has none")
             want = DISK  # crash durability without a host tier: the disk serves
-        for node in path_to(seq.node):
-            if node.slots[DISK] is not None or (want == HOST and node.slots[HOST] is not None):
-                continue
-            if not tiering.write_down(node, want):
-                return DurabilityError(f"cannot make sequence {seq.id} {durability}-durable: "
-                                       f"no room in the {'disk' if want == DISK else 'host'} tier")
-        return None
+        if self.cache.tiering.write_path_down(seq.node, want):
+            return None
+        return DurabilityError(f"cannot make sequence {seq.id} {durability}-durable: "
+                               f"no room in the {'disk' if want == DISK else 'host'} tier")
 
     def _log(self, session_id: int = 0, keep_headroom: bool = True) -> int:
         """Drain the cache's events into the ordered queue; then the periodic work (release
