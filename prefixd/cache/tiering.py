@@ -55,6 +55,7 @@ class Tiering:
         self.tree = cache.tree
         self.allocs = cache.allocators
         self.store = store
+        self._copy_run = getattr(store, "copy_run", None)  # a ``TierStore``'s run-to-run fast path
         self.write_policy = write_policy
         self.selective_hits = selective_hits
         self.lower = [t for t in (HOST, DISK) if self.allocs[t] is not None]
@@ -171,6 +172,8 @@ class Tiering:
         """Copy each run of ``chain`` from its highest tier into ``tier`` at ``slots``."""
         checksums = None
         store = self.store
+        if len(chain) == 1 and tier != DISK and self._copy_run is not None and self._copy_one(chain[0], tier, slots):
+            return
         if store is not None:
             checksums = []
             by_src: dict[int, tuple[list[int], list[int]]] = {}
@@ -210,6 +213,18 @@ class Tiering:
             if tier == DISK:
                 n.disk_verified = True  # its bytes come from this process's memory tiers
             self.cache.events.append(new_event(BlocksMoved, (tier, n.hashes, mine, sums)))
+
+    def _copy_one(self, node: Node, tier: int, slots: list[int]) -> bool:
+        """``_copy_into`` of one device-resident run into a memory tier when both its slots and
+        ``slots`` are single runs (a commit's write-through mostly is): the store's
+        ``copy_run``, and no checksums (only DISK copies carry them). False, with nothing done,
+        otherwise."""
+        src = node.slots[DEVICE]
+        if src is None or not self._copy_run(DEVICE, src, tier, slots):
+            return False
+        self.tree.set_residency(node, tier, slots)
+        self.cache.events.append(new_event(BlocksMoved, (tier, node.hashes, slots, [])))
+        return True
 
     @staticmethod
     def _checksums_of(chain: list[Node], src: int) -> list[int]:

@@ -81,6 +81,24 @@ def test_device_eviction_keeps_the_run_in_a_lower_tier_and_a_hit_promotes_it(tie
     cache.check_invariants()
 
 
+def test_a_write_through_of_one_run_is_one_copy_run_and_its_host_bytes_serve(tiered, monkeypatch):
+    """A commit's fresh device slots and fresh host slots are single runs: the write-through
+    takes the store's ``copy_run`` (no ``copy``), and the host copy is the right bytes once the
+    device copy is gone."""
+    cache, pool, store = tiered(device=4, host=4, disk=8)
+    seen = _count_copies(monkeypatch, store)
+    tokens = [6, 2, 8, 3, 1]
+    _commit(cache, pool, tokens)
+    assert [s for s in seen if s[1] == HOST] == []
+    node = next(cache.tree.nodes())
+    assert node.slots[HOST] is not None
+    assert cache.evict(4) >= 2 and node.slots[0] is None  # only host (and disk) copies are left
+    seq = cache.open(toks(*tokens))
+    assert seq.cached_tokens == 4 and cache.stats.hit_tokens_by_tier[HOST] == 4
+    pool.check(seq.block_table[:2], tokens[:4])
+    cache.check_invariants()
+
+
 def test_eviction_order_is_lru_per_tier(tiered):
     cache, pool, _ = tiered(device=8, host=4, disk=8, write_policy="write_back")
     for first in (10, 20, 30):
@@ -173,7 +191,14 @@ def test_a_run_is_hashed_when_it_first_goes_to_disk_not_on_its_way_to_host(tiere
         seen.append((src, dst, result.checksums))
         return result
 
+    def copy_run(src, src_slots, dst, dst_slots):
+        done = store.copy_run(src, src_slots, dst, dst_slots)
+        if done:
+            seen.append((src, dst, None))  # one copyto: hashes nothing
+        return done
+
     monkeypatch.setattr(store, "copy", copy)
+    monkeypatch.setattr(cache.tiering, "_copy_run", copy_run)  # the tiering holds the store's method
     tokens = [3, 1, 4, 1, 5]
     _commit(cache, pool, tokens)
     node = next(cache.tree.nodes())

@@ -104,6 +104,36 @@ def test_copy_refuses_a_destination_run_past_the_tier(make_store):
         store.copy(Tier.DEVICE, [0, 1, 2], Tier.HOST, [-1, 0, 1])
 
 
+def test_copy_run_copies_one_run_between_memory_tiers_and_declines_the_rest(make_store):
+    """The write-through's fast path: one run of slots into one run, device <-> host; any other
+    shape (scattered, descending, DISK on either side) is declined with nothing copied, for
+    ``copy`` to move."""
+    store = make_store(device=16, host=16, disk=16)
+    data = block_data(SMALL, range(40, 44))
+    store.write(Tier.DEVICE, [2, 3, 4, 5], data)
+    before = store.read(Tier.HOST, list(range(16))).clone()
+    for src, dst in ([[2, 3, 4, 5], [9, 2, 14, 0]], [[5, 4, 3, 2], [0, 1, 2, 3]], [[2, 3, 5, 4], [0, 1, 2, 3]]):
+        assert store.copy_run(Tier.DEVICE, src, Tier.HOST, dst) is False
+    assert store.copy_run(Tier.DEVICE, [2, 3], Tier.DISK, [0, 1]) is False
+    assert store.copy_run(Tier.DISK, [0, 1], Tier.HOST, [0, 1]) is False
+    assert same_bytes(store.read(Tier.HOST, list(range(16))), before)  # declined: nothing written
+    assert store.copy_run(Tier.DEVICE, [2, 3, 4, 5], Tier.HOST, [10, 11, 12, 13]) is True
+    assert same_bytes(store.read(Tier.HOST, [10, 11, 12, 13]), data)
+    assert same_bytes(store.read(Tier.HOST, list(range(10))), before[:10])  # nothing outside the run
+    assert store.copy_run(Tier.HOST, [10, 11], Tier.DEVICE, [14, 15]) is True
+    assert same_bytes(store.read(Tier.DEVICE, [14, 15]), data[:2])
+
+
+def test_copy_run_refuses_a_run_past_the_tier_or_unequal_lengths(make_store):
+    store = make_store(device=8, host=8)
+    with pytest.raises(ValueError, match=r"HOST slots must be in \[0, 8\), got 6\.\.8"):
+        store.copy_run(Tier.DEVICE, [0, 1, 2], Tier.HOST, [6, 7, 8])
+    with pytest.raises(ValueError, match=r"DEVICE slots must be in \[0, 8\), got -1\.\.0"):
+        store.copy_run(Tier.DEVICE, [-1, 0], Tier.HOST, [0, 1])
+    with pytest.raises(ValueError, match="as many destination slots"):
+        store.copy_run(Tier.DEVICE, [0, 1, 2], Tier.HOST, [0, 1])
+
+
 def test_copy_within_each_tier(make_store):
     store = make_store()
     data = block_data(SMALL, [1, 2])
