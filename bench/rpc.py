@@ -14,16 +14,20 @@ its own process on a Unix socket, and prints one JSON object:
 - ``floor.p50_us``: per request, two bare echoes of the byte sizes of Open's request / reply and
   Release's, plus one durable LMDB commit (the WAL's environment flags) of one put as large as
   the records the engine logged for the median request (read back from the daemon's own log).
-  One-client rounds alternate daemon / floor so that the host's noise lands on both.
+  One-client rounds alternate daemon / floor so that the host's noise lands on both
+  (``--rounds``, 32 by default: on the shared 2-core host the ratio of 4 rounds of 240
+  requests swung 1.18-1.71 between runs of one tree, that of 32 rounds of 30 1.44-1.51).
 - ``rpc.rps_8``: 8 client processes doing gsp requests together (requests per second, all of
   them); ``floor.rps_8``: 8 processes doing the echo pairs (no LMDB commit: the daemon must
-  share its fsyncs among the 8 clients' commits to get near).
+  share its fsyncs among the 8 clients' commits to get near). ``--phases`` (3) alternations of
+  the two, each on fresh prompts; a side's rate is its requests over its measured seconds.
 - ``kv.*`` and ``attend.*``: see ``rpc_kv.py`` (layout ``tiny-llama``: 4 layers x 2 KV heads x
   head dim 64, fp16, block 16).
 
-Usage: ``python bench/rpc.py --json [--quick] [--out PATH] [--profile PATH]``. ``--profile``
-runs the daemon under cProfile (written at its clean stop; the top of it goes to stderr): use
-it with ``--sections rpc`` to see where a request's time goes, not for a run of record.
+Usage: ``python bench/rpc.py --json [--quick] [--rounds N] [--phases N] [--out PATH]
+[--profile PATH]``. ``--profile`` runs the daemon under cProfile (written at its clean stop;
+the top of it goes to stderr): use it with ``--sections rpc`` to see where a request's time
+goes, not for a run of record.
 """
 
 from __future__ import annotations
@@ -118,20 +122,32 @@ def one_client(daemon, echo, prompts: list[bytes], warmup: int, rounds: int, lmd
 
 
 def eight_clients(daemon, echo_path: str, prompts: list[bytes], per_worker: int, warmup: int,
-                  echo_pairs: int) -> dict:
-    """``rpc.rps_8`` and ``floor.rps_8``: 8 processes each, released together."""
-    from rpc_load import echo_worker, gsp_worker, run_workers
+                  echo_pairs: int, phases: int) -> dict:
+    """``rpc.rps_8`` and ``floor.rps_8``: ``phases`` alternations of 8 floor processes and 8
+    client processes (each phase a fresh set, released together, on prompts no phase used
+    before), so that the host's drift lands on both sides; each side's rate is all its
+    requests over all its measured seconds."""
+    from rpc_load import combine_runs, echo_worker, gsp_worker, run_workers
 
-    slices = [prompts[i::WORKERS][:warmup + per_worker] for i in range(WORKERS)]
+    n = warmup + per_worker
+    if len(prompts) < phases * WORKERS * n:
+        raise ValueError(f"{phases} phases of {WORKERS} x {n} requests need {phases * WORKERS * n} prompts, "
+                         f"got {len(prompts)}")
     sizes = _sizes()
-    floor = run_workers(echo_worker, [(echo_path, (sizes["open"], sizes["release"]), echo_pairs, warmup)
-                                      for _ in range(WORKERS)])
     model = GSP_LAYOUT["model_id"]
-    txn0 = daemon.wal_txn_id(model)
-    rpc = run_workers(gsp_worker, [(daemon.socket, GSP_LAYOUT, s, warmup) for s in slices])
-    # every request of the run (warm-up included) against the WAL's write transactions
-    rpc["requests_per_wal_txn"] = round(sum(map(len, slices)) / max(1, daemon.wal_txn_id(model) - txn0), 2)
-    return {"workers": WORKERS, "rpc": rpc, "floor": floor}
+    floors, rpcs, txns = [], [], 0
+    for k in range(phases):
+        part = prompts[k * WORKERS * n:(k + 1) * WORKERS * n]
+        floors.append(run_workers(echo_worker, [(echo_path, (sizes["open"], sizes["release"]), echo_pairs, warmup)
+                                                for _ in range(WORKERS)]))
+        txn0 = daemon.wal_txn_id(model)
+        rpcs.append(run_workers(gsp_worker, [(daemon.socket, GSP_LAYOUT, part[i::WORKERS], warmup)
+                                             for i in range(WORKERS)]))
+        txns += daemon.wal_txn_id(model) - txn0
+    rpc, floor = combine_runs(rpcs), combine_runs(floors)
+    # every request of the runs (warm-ups included) against the WAL's write transactions
+    rpc["requests_per_wal_txn"] = round(phases * WORKERS * n / max(1, txns), 2)
+    return {"workers": WORKERS, "phases": phases, "rpc": rpc, "floor": floor}
 
 
 def tiny_sections(daemon, echo, sections, kv_reps: int, attend_reps: int) -> dict:
@@ -162,12 +178,13 @@ def run(args) -> dict:
     groups, per_group = (4, 16) if quick else (64, 32)
     prompts = [r.prompt for r in gsp(groups, per_group)]
     warmup = 8 if quick else 64
-    warmup8, per_worker = (2, 14) if quick else (16, 240)
-    # the 8 clients' own requests (another seed): warmup8 + per_worker each
-    prompts8 = [r.prompt for r in gsp(groups, WORKERS * (warmup8 + per_worker) // groups, seed=1)]
-    echo_pairs = 50 if quick else 1000
+    phases = args.phases
+    warmup8, per_worker = (2, 14) if quick else (16, -(-240 // phases))
+    # the 8 clients' own requests (another seed): warmup8 + per_worker each, in every phase
+    prompts8 = [r.prompt for r in gsp(groups, -(-phases * WORKERS * (warmup8 + per_worker) // groups), seed=1)]
+    echo_pairs = 50 if quick else -(-1000 // phases)
     kv_reps, attend_reps = (3, 3) if quick else (20, 30)
-    rounds = 2 if quick else 4
+    rounds = 2 if quick else args.rounds
     blocks = (131072, 131072, args.disk_blocks)  # both gsp workloads fit: no eviction
     sections = args.sections
     result: dict = {"bench": "rpc"}
@@ -187,7 +204,7 @@ def run(args) -> dict:
             seconds["rpc"] = time.monotonic() - t0
         if "rps8" in sections:
             t0 = time.monotonic()
-            eight = eight_clients(daemon, echo_path, prompts8, per_worker, warmup8, echo_pairs)
+            eight = eight_clients(daemon, echo_path, prompts8, per_worker, warmup8, echo_pairs, phases)
             seconds["rps8"] = time.monotonic() - t0
         if "kv" in sections or "attend" in sections:
             t0 = time.monotonic()
@@ -205,8 +222,8 @@ def run(args) -> dict:
         "gsp": {"num_groups": groups, "prompts_per_group": per_group, "prompt_tokens": 2176},
         "gsp_layout": GSP_LAYOUT, "tiny_layout": TINY_LAYOUT,
         "gsp_pool_blocks": {"device": blocks[0], "host": blocks[1], "disk": blocks[2]},
-        "rps_8": {"requests_per_worker": per_worker, "warmup_per_worker": warmup8,
-                  "echo_pairs_per_worker": echo_pairs},
+        "rps_8": {"phases": phases, "requests_per_worker_per_phase": per_worker,
+                  "warmup_per_worker_per_phase": warmup8, "echo_pairs_per_worker_per_phase": echo_pairs},
         "socket": "Unix, one per server, same directory kind (/tmp)",
     }
     result["env"] = {"cpus": os.cpu_count(), "load_avg_before": [round(x, 2) for x in load_before],
@@ -261,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated subset of {','.join(SECTIONS)}")
     parser.add_argument("--disk-blocks", type=int, default=262144,
                         help="disk tier of the gsp pool (0: none; crash durability is the host's)")
+    parser.add_argument("--rounds", type=int, default=32, help="one-client rounds alternating daemon / floor")
+    parser.add_argument("--phases", type=int, default=3, help="8-client phases alternating floor / daemon")
     parser.add_argument("--profile", metavar="PATH", help="run the daemon under cProfile, write here")
     args = parser.parse_args(argv)
     args.sections = tuple(s for s in args.sections.split(",") if s)

@@ -129,7 +129,8 @@ def _context():
 
 def run_workers(target, args_per_worker: list[tuple], timeout: float = 600.0) -> dict:
     """Start one worker process per args tuple, release them together, and return
-    ``{"requests", "seconds", "rps", "p50_us", "p99_us"}`` of all of them."""
+    ``{"requests", "seconds", "rps", "p50_us", "p99_us", "latencies_ns"}`` of all of them
+    (``latencies_ns`` sorted: for ``combine_runs``, not for the JSON)."""
     ctx = _context()
     barrier = ctx.Barrier(len(args_per_worker))
     results = ctx.Queue()
@@ -147,9 +148,22 @@ def run_workers(target, args_per_worker: list[tuple], timeout: float = 600.0) ->
     errors = [g[1] for g in got if g[0] != "ok"]
     if errors:
         raise RuntimeError(f"a worker failed: {errors}")
-    total = sum(g[1] for g in got)
     seconds = max(g[3] for g in got) - min(g[2] for g in got)
-    lat = sorted(x for g in got for x in g[4])
-    return {"requests": total, "seconds": round(seconds, 3), "rps": round(total / seconds, 1),
+    return _summary(sum(g[1] for g in got), seconds, [x for g in got for x in g[4]])
+
+
+def combine_runs(runs: list[dict]) -> dict:
+    """``run_workers``' results of several runs of one side as one: all requests over all
+    measured seconds, the percentiles of every request's latency, and each run's rate."""
+    out = _summary(sum(r["requests"] for r in runs), sum(r["seconds"] for r in runs),
+                   [x for r in runs for x in r["latencies_ns"]], rps_by_run=[r["rps"] for r in runs])
+    del out["latencies_ns"]
+    return out
+
+
+def _summary(requests: int, seconds: float, latencies_ns: list[int], **extra) -> dict:
+    lat = sorted(latencies_ns)
+    return {"requests": requests, "seconds": round(seconds, 3), "rps": round(requests / seconds, 1),
             "p50_us": round(lat[len(lat) // 2] / 1000, 1),
-            "p99_us": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))] / 1000, 1)}
+            "p99_us": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))] / 1000, 1), **extra,
+            "latencies_ns": lat}

@@ -44,6 +44,19 @@ def test_rpc_bench_one_client_section_prints_rpc_and_floor():
     assert out["ratios"]["kv_mapped_over_memcpy"] is None  # section not run: no made-up ratio
 
 
+def test_combine_runs_is_all_requests_over_all_seconds():
+    """The 8-client phases of one side combine by their totals, not by the mean of their rates."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from rpc_load import combine_runs
+
+    runs = [{"requests": 100, "seconds": 1.0, "rps": 100.0, "latencies_ns": [1000, 3000]},
+            {"requests": 300, "seconds": 1.5, "rps": 200.0, "latencies_ns": [2000, 4000, 5000]}]
+    out = combine_runs(runs)
+    assert out["requests"] == 400 and out["seconds"] == 2.5 and out["rps"] == 160.0
+    assert out["rps_by_run"] == [100.0, 200.0] and "latencies_ns" not in out
+    assert out["p50_us"] == 3.0 and out["p99_us"] == 5.0
+
+
 @pytest.mark.soak
 def test_rpc_bench_quick_prints_every_judged_key():
     """``bench/rpc.py --quick --json``: every measurement and ratio the issue names."""
@@ -54,7 +67,11 @@ def test_rpc_bench_quick_prints_every_judged_key():
         assert _positive(out["floor"][key]), key
     assert _positive(out["kv"]["mapped_gbps"]) and _positive(out["kv"]["rpc_gbps"])
     assert _positive(out["attend"]["rpc_us"])
-    assert out["eight_clients"]["workers"] == 8
+    assert out["eight_clients"]["workers"] == 8 and out["eight_clients"]["phases"] == 3
+    for side in ("rpc", "floor"):  # one rate per phase, and the side's rate over all of them
+        runs = out["eight_clients"][side]
+        assert len(runs["rps_by_run"]) == 3 and all(map(_positive, runs["rps_by_run"]))
+        assert min(runs["rps_by_run"]) <= runs["rps"] <= max(runs["rps_by_run"])
     assert _positive(out["eight_clients"]["rpc"]["requests_per_wal_txn"])
     for name in RATIOS:
         assert _positive(out["ratios"][name]), name
