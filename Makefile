@@ -52,9 +52,10 @@ demo: $(STAMP)
 demo-core: $(STAMP)
 	$(PY) -m prefixd.tools.demo
 
-# The whole suite but long soak runs and the real-model test (each has its own target).
+# The whole suite but long soak runs and the real-model test (each has its own target). The 25
+# slowest tests are listed at the end: the suite must stay under 15 minutes on 2 cores.
 test: $(STAMP) $(VLLM_STAMP)
-	PREFIXD_VLLM_PYTHON=$(VLLM_PY) $(PY) -m pytest -q -m "not soak and not slow"
+	PREFIXD_VLLM_PYTHON=$(VLLM_PY) $(PY) -m pytest -q -m "not soak and not slow" --durations=25
 
 # SmolLM2 through a live daemon: greedy tokens equal transformers' own, cold / warm / another
 # process / after kill -9 (converts the GGUF once: minutes the first time).

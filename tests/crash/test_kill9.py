@@ -12,8 +12,6 @@ across kills, so each child also starts by recovering the previous crash.
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -21,27 +19,29 @@ import pytest
 from prefixd.crashpoints import CRASH_EXIT_CODE
 from tests.crash.acklog import read_acks, wait_for_acks
 from tests.crash.prefixd_workload import CONCURRENT_SIZES, SIZES, check
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _spawn(tmp_path, seed, *extra, env_extra=None):
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    env.pop("PREFIXD_CRASH", None)
-    env.update(env_extra or {})
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.crash.prefixd_workload", str(tmp_path / "state"),
-         str(tmp_path / "shm"), str(tmp_path / "acks"), "--seed", str(seed), *extra],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+from tests.crash.workload_zygote import WorkloadZygote
 
 
-def _kill_cycles(tmp_path, kills: int, seed: int, *extra, sizes=SIZES) -> dict:
+@pytest.fixture(scope="module")
+def zygote():
+    """Every workload child of this module is a fork of one zygote (``workload_zygote``)."""
+    z = WorkloadZygote()
+    yield z
+    z.close()
+
+
+def _spawn(zygote, tmp_path, seed, *extra, env_extra=None):
+    return zygote.spawn([tmp_path / "state", tmp_path / "shm", tmp_path / "acks", "--seed", seed, *extra],
+                        tmp_path / f"stderr-{seed}", env_extra)
+
+
+def _kill_cycles(zygote, tmp_path, kills: int, seed: int, *extra, sizes=SIZES) -> dict:
     os.makedirs(tmp_path / "shm", exist_ok=True)
     rng = random.Random(seed)
     totals = {"kills": 0, "acks": 0, "blocks_verified": 0}
     for i in range(kills):
         before = len(read_acks(tmp_path / "acks"))
-        child = _spawn(tmp_path, seed * 1000 + i, *extra)
+        child = _spawn(zygote, tmp_path, seed * 1000 + i, *extra)
         try:
             wait_for_acks(tmp_path / "acks", before + rng.randint(1, 25), timeout_s=60, proc=child)
             time.sleep(rng.random() * 0.05)
@@ -57,8 +57,8 @@ def _kill_cycles(tmp_path, kills: int, seed: int, *extra, sizes=SIZES) -> dict:
     return totals
 
 
-def test_kill_9_under_load_loses_nothing_acknowledged(tmp_path, capsys):
-    totals = _kill_cycles(tmp_path, kills=20, seed=1)
+def test_kill_9_under_load_loses_nothing_acknowledged(zygote, tmp_path, capsys):
+    totals = _kill_cycles(zygote, tmp_path, kills=20, seed=1)
     with capsys.disabled():
         print(f"\nkill -9: {totals['kills']} kills, {totals['acks']} acknowledged commits checked, "
               f"{totals['blocks_verified']} blocks verified byte for byte")
@@ -67,19 +67,19 @@ def test_kill_9_under_load_loses_nothing_acknowledged(tmp_path, capsys):
 
 @pytest.mark.soak
 @pytest.mark.timeout(3600)
-def test_kill_9_under_load_loses_nothing_acknowledged_soak(tmp_path, capsys):
-    totals = _kill_cycles(tmp_path, kills=200, seed=2)
+def test_kill_9_under_load_loses_nothing_acknowledged_soak(zygote, tmp_path, capsys):
+    totals = _kill_cycles(zygote, tmp_path, kills=200, seed=2)
     with capsys.disabled():
         print(f"\nkill -9 soak: {totals}")
 
 
-def test_the_kill_9_harness_catches_an_acknowledgement_before_commit(tmp_path):
+def test_the_kill_9_harness_catches_an_acknowledgement_before_commit(zygote, tmp_path):
     """Control: a planted bug (ack before the WAL commit) must be caught losing data."""
     caught = False
     for attempt in range(8):
         d = tmp_path / f"a{attempt}"
         os.makedirs(d / "shm")
-        child = _spawn(d, attempt, "--plant", "ack-before-commit")
+        child = _spawn(zygote, d, attempt, "--plant", "ack-before-commit")
         try:
             wait_for_acks(d / "acks", 3 + attempt, timeout_s=60, proc=child)
         finally:
@@ -93,10 +93,10 @@ def test_the_kill_9_harness_catches_an_acknowledgement_before_commit(tmp_path):
     assert caught, "the harness did not see a lost acknowledged commit: it cannot detect loss"
 
 
-def test_kill_9_with_16_sequences_committing_concurrently_loses_nothing_acknowledged(tmp_path, capsys):
+def test_kill_9_with_16_sequences_committing_concurrently_loses_nothing_acknowledged(zygote, tmp_path, capsys):
     """Commits through tickets, 16 sequences in flight on one thread (as the daemon will run
     the engine): each acknowledged only when its ticket resolved."""
-    totals = _kill_cycles(tmp_path, 3, 3, "--concurrent", "16", sizes=CONCURRENT_SIZES)
+    totals = _kill_cycles(zygote, tmp_path, 3, 3, "--concurrent", "16", sizes=CONCURRENT_SIZES)
     with capsys.disabled():
         print(f"\nkill -9, 16 concurrent: {totals}")
     assert totals["acks"] > 3
@@ -104,20 +104,20 @@ def test_kill_9_with_16_sequences_committing_concurrently_loses_nothing_acknowle
 
 @pytest.mark.soak
 @pytest.mark.timeout(3600)
-def test_kill_9_with_16_sequences_committing_concurrently_soak(tmp_path, capsys):
-    totals = _kill_cycles(tmp_path, 100, 4, "--concurrent", "16", sizes=CONCURRENT_SIZES)
+def test_kill_9_with_16_sequences_committing_concurrently_soak(zygote, tmp_path, capsys):
+    totals = _kill_cycles(zygote, tmp_path, 100, 4, "--concurrent", "16", sizes=CONCURRENT_SIZES)
     with capsys.disabled():
         print(f"\nkill -9 soak, 16 concurrent: {totals}")
 
 
 @pytest.mark.parametrize("durability", ["crash", "power"])
-def test_the_concurrent_kill_9_mode_catches_an_acknowledgement_before_its_ticket(tmp_path, durability):
+def test_the_concurrent_kill_9_mode_catches_an_acknowledgement_before_its_ticket(zygote, tmp_path, durability):
     """Control: acknowledging a commit when ``commit`` returns, before its ticket resolves,
     must be caught losing data (so the concurrent mode can see a ticket acknowledged early)."""
     for attempt in range(8):
         d = tmp_path / f"a{attempt}"
         os.makedirs(d / "shm")
-        child = _spawn(d, attempt, "--concurrent", "16", "--durability", durability,
+        child = _spawn(zygote, d, attempt, "--concurrent", "16", "--durability", durability,
                        "--plant", "ack-before-ticket")
         try:
             wait_for_acks(d / "acks", 20 + 10 * attempt, timeout_s=60, proc=child)
@@ -138,9 +138,9 @@ CRASH_POINTS = ["disk_data_written", "disk_data_synced", "commit_data_written", 
                 "evict_inside", "promote_inside"]
 
 
-def _crash_at(tmp_path, point: str, n: int) -> dict:
+def _crash_at(zygote, tmp_path, point: str, n: int) -> dict:
     os.makedirs(tmp_path / "shm", exist_ok=True)
-    child = _spawn(tmp_path, n, "--requests", "3000", env_extra={"PREFIXD_CRASH": f"{point}:{n}"})
+    child = _spawn(zygote, tmp_path, n, "--requests", "3000", env_extra={"PREFIXD_CRASH": f"{point}:{n}"})
     _, err = child.communicate(timeout=120)
     assert child.returncode == CRASH_EXIT_CODE, \
         f"crash point {point}:{n} was not reached (exit {child.returncode}): {err.decode()[-1500:]}"
@@ -149,8 +149,8 @@ def _crash_at(tmp_path, point: str, n: int) -> dict:
 
 @pytest.mark.parametrize("point", CRASH_POINTS)
 @pytest.mark.parametrize("n", [1, 9])
-def test_a_crash_at_a_named_point_loses_nothing_acknowledged(tmp_path, point, n):
-    result = _crash_at(tmp_path, point, n)
+def test_a_crash_at_a_named_point_loses_nothing_acknowledged(zygote, tmp_path, point, n):
+    result = _crash_at(zygote, tmp_path, point, n)
     assert result["recovery"]["ready_s"] > 0
 
 
@@ -158,5 +158,5 @@ def test_a_crash_at_a_named_point_loses_nothing_acknowledged(tmp_path, point, n)
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("point", CRASH_POINTS)
 @pytest.mark.parametrize("n", [2, 5, 17, 40, 90])
-def test_a_crash_at_a_named_point_loses_nothing_acknowledged_soak(tmp_path, point, n):
-    _crash_at(tmp_path, point, n)
+def test_a_crash_at_a_named_point_loses_nothing_acknowledged_soak(zygote, tmp_path, point, n):
+    _crash_at(zygote, tmp_path, point, n)
