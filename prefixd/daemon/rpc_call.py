@@ -33,6 +33,7 @@ def rpc(fn):
         core.in_flight += 1
         t0 = perf_counter()
         status = "CANCELLED"
+        counted = False
         try:
             if name not in _ALWAYS:
                 core.check_serving()
@@ -44,11 +45,16 @@ def rpc(fn):
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             core.errors[name] += 1
             code, message = status_of(exc)
-            status = code.name
             log.debug("call refused method=%s code=%s message=%s", name, code.name, message)
+            # NOTE: counted before the status goes out: the client may act on it (a scrape)
+            # before this coroutine resumes after ``abort``.
+            core.in_flight -= 1
+            core.rpc_times.observe(name, code.name, perf_counter() - t0)
+            counted = True
             await context.abort(code, message)
         finally:
-            core.in_flight -= 1
-            core.rpc_times.observe(name, status, perf_counter() - t0)
+            if not counted:
+                core.in_flight -= 1
+                core.rpc_times.observe(name, status, perf_counter() - t0)
 
     return handler
