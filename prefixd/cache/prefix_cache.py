@@ -358,17 +358,21 @@ class PrefixCache:
             self.tree.unlock(node)
         seq.node = deepest
         seq.num_indexed = num_full
-        events = self.events
+        # NOTE: ``self.events`` is read again for every append, never kept: the write-through
+        # may allocate, and an allocation short of quarantined slots drains and logs the events
+        # (``on_deferred_shortage``): an event appended to the list read before it was lost,
+        # its commit acknowledged without its record (tests/engine/test_commit_forces_reclaim.py).
         for run in adopted:  # runs only in lower tiers took our device copies of their blocks
-            events.append(new_event(BlocksMoved, (DEVICE, run.hashes, run.slots[DEVICE], [])))
+            self.events.append(new_event(BlocksMoved, (DEVICE, run.hashes, run.slots[DEVICE], [])))
         added = 0
         if new is not None:
-            events.append(new_event(BlocksStored, (new.parent.hashes[-1], new.hashes, new.tokens, new.slots[DEVICE])))
+            self.events.append(new_event(BlocksStored, (new.parent.hashes[-1], new.hashes, new.tokens,
+                                                        new.slots[DEVICE])))
             added = new.num_blocks
             self.stats.committed_blocks += added
             if self.tiering is not None:
                 self.tiering.write_through(new)
-        events.append(new_event(SeqCommitted, (seq.id, num_full, deepest.hashes[-1])))
+        self.events.append(new_event(SeqCommitted, (seq.id, num_full, deepest.hashes[-1])))
         return added
 
     def _copy_on_write(self, seq: Sequence, new_slot: int) -> None:

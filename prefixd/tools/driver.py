@@ -19,7 +19,6 @@ def replay(cache, reqs) -> dict[str, list[int]]:
     times: dict[str, list[int]] = {"open": [], "extend": [], "commit": [], "release": []}
     t_open, t_ext, t_com, t_rel = (times[k].append for k in ("open", "extend", "commit", "release"))
     clock = time.perf_counter_ns
-    events = cache.events
     gc.collect()
     gc.disable()
     try:
@@ -40,7 +39,6 @@ def replay(cache, reqs) -> dict[str, list[int]]:
             t_rel(t4 - t3)
     finally:
         gc.enable()
-    del events
     return times
 
 
