@@ -6,7 +6,9 @@ partial runs; checkpoints at random moments; forks; sequences left open) runs on
 ``DurableCache``; then the live index, with device residency taken away as reconciliation
 does, must equal the index a fresh process rebuilds from the checkpoint and the log tail:
 the same runs (the same node boundaries), the same host and disk slots, tokens and checksums
-per block, and the same eviction order.
+per block, and the same eviction order; and every sequence left open must come back at the
+deepest block of its path that had a host or disk copy (a lost COMMIT record brought one back
+at its open's match: ``tests/engine/test_commit_forces_reclaim.py``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,26 @@ def _survivors(tree) -> dict:
         out[(node.hashes[0], node.hashes[-1])] = (
             node.tokens, host, disk, node.checksums if disk is not None else None)
     return out
+
+
+def _surviving_seqs(dc: DurableCache) -> dict:
+    """Live sequences as a restart must bring them back: seq id -> tokens on the path to the
+    deepest node of theirs with a host or disk copy (lower tiers stay root-anchored)."""
+    out = {}
+    for seq in dc.cache.sequences():
+        node = seq.node
+        while node.parent is not None and node.slots[HOST] is None and node.slots[DISK] is None:
+            node = node.parent
+        out[seq.id] = _path_tokens(node)
+    return out
+
+
+def _path_tokens(node) -> bytes:
+    parts = []
+    while node.parent is not None:
+        parts.append(node.tokens)
+        node = node.parent
+    return b"".join(reversed(parts))
 
 
 def _eviction_order(tree, tier: int) -> list[bytes]:
@@ -100,10 +122,12 @@ def _traffic(dc: DurableCache, rng: random.Random, steps: int, checkpoints: bool
 def test_a_restart_rebuilds_the_live_index_without_the_device(tmp_path, seed):
     rng = random.Random(seed)
     dc = _open(tmp_path, checkpoint_records=10**9)
-    _traffic(dc, rng, 160, checkpoints=bool(seed % 2))  # even seeds: the whole history is a tail
+    live = _traffic(dc, rng, 160, checkpoints=bool(seed % 2))  # even seeds: the whole history is a tail
     dc.wal.flush().result()
     dc.cache.check_invariants()
     want = _survivors(dc.cache.tree)
+    want_seqs = _surviving_seqs(dc)
+    assert set(live) <= set(want_seqs)
     tree = dc.cache.tree
     tree.rebuild_queues()
     dc.close()
@@ -117,6 +141,8 @@ def test_a_restart_rebuilds_the_live_index_without_the_device(tmp_path, seed):
     for key, value in want.items():
         assert got[key] == value, f"run {key[0].hex()}..: {got[key]} != {value}"
     assert dc.cache.tree.num_blocks_in[DEVICE] == 0
+    got_seqs = {r.seq_id: _path_tokens(r.node) for r in dc.recovered.values()}
+    assert got_seqs == want_seqs, "a sequence left open came back elsewhere than its committed blocks"
     dc.check_invariants()
 
 
