@@ -175,13 +175,22 @@ class LoadClient:
         self.pending: list[dict] = []  # previous sessions to Reclaim
 
     def run(self) -> None:
-        self.attach()
+        self.reattach()
         while True:
             try:
                 self.request()
                 time.sleep(self.rng.random() * self.think_s)
             except Reconnect:
-                self.attach()
+                self.reattach()
+
+    def reattach(self) -> None:
+        """``attach`` until one gets through its Reclaims (a kill may cut one: it is retried
+        on the next daemon, the cut one's sequences marked as possibly moved)."""
+        while True:
+            try:
+                return self.attach()
+            except Reconnect:
+                continue
 
     def call(self, fn, *args, **kw):
         try:
