@@ -60,7 +60,11 @@ def is_open_here(state_dir: str) -> bool:
 _DAMAGED = (lmdb.CorruptedError, lmdb.PageNotFoundError,
             # a transaction LMDB marked failed inside (a damaged page met during a put or a
             # lookup); our code never reuses a transaction, so this is the file too
-            lmdb.BadTxnError, lmdb.PanicError)
+            lmdb.BadTxnError, lmdb.PanicError,
+            # a named database's record in the main tree changed under its open handle, or its
+            # flags no longer match: nothing else writes that record (the bit-flip soak met
+            # MDB_BAD_DBI on the first read after open)
+            lmdb.BadDbiError, lmdb.IncompatibleError)
 # ... and for a file whose meta pages are not LMDB's (lmdb.open)
 _NOT_LMDB = _DAMAGED + (lmdb.InvalidError, lmdb.VersionMismatchError)
 

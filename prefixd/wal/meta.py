@@ -10,7 +10,8 @@ Keys (ASCII) and values:
 - ``root_seed``: 16 random bytes, created once; the root of every block hash chain.
 - ``layouts``: opaque bytes given by the caller (the KV layouts); a difference is refused.
 - ``checkpoint_lsn``: u64 BE, the lsn the checkpoint in ``index``/``seqs`` folds (0 = none).
-- ``epoch``: u64 BE, incremented at every open.
+- ``epoch``: u64 BE, incremented at every open; at most ``MAX_EPOCH`` (records carry it as a
+  u32: a larger one is damage, refused as such).
 - ``boot_id``: the kernel boot id (``/proc/sys/kernel/random/boot_id``) at the last open.
 """
 
@@ -40,6 +41,7 @@ K_SEED = b"root_seed"
 K_LAYOUTS = b"layouts"
 K_CHECKPOINT = b"checkpoint_lsn"
 K_EPOCH = b"epoch"
+MAX_EPOCH = (1 << 32) - 1  # the ATTACH and RECOVER records' u32 field
 K_BOOT = b"boot_id"
 
 _U64 = struct.Struct(">Q")
@@ -141,6 +143,9 @@ def open_meta(wenv: WalEnv, layouts: bytes | None) -> MetaInfo:
                     f"this one away",
                 )
         epoch = get_u64(txn, db, K_EPOCH) + 1
+        if epoch > MAX_EPOCH:  # one per open: 2**32 opens never happen, a flipped bit does
+            raise WalCorruptError(-1, f"meta epoch {epoch - 1} is past the {MAX_EPOCH} that log "
+                                  f"records carry: the meta database is damaged", path)
         put_u64(txn, db, K_EPOCH, epoch)
         previous_boot = txn.get(K_BOOT, db=db) or b""
         txn.put(K_BOOT, boot_id, db=db)

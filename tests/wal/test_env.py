@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import struct
 
+import lmdb
 import msgpack
 import pytest
 
@@ -15,7 +16,7 @@ from prefixd.wal import (
     StateMismatchError,
     WalCorruptError,
 )
-from prefixd.wal.meta import K_FORMAT, K_KINDS
+from prefixd.wal.meta import K_EPOCH, K_FORMAT, K_KINDS, MAX_EPOCH
 
 from .conftest import raw_env, run_child
 
@@ -136,6 +137,39 @@ def test_meta_persists_seed_and_counts_epochs(state_dir, open_wal):
     second = open_wal()
     assert second.root_seed == seed and second.open_epoch() == 2 and not second.meta.created
     assert second.meta.previous_boot_id == boot == second.meta.boot_id
+
+
+def test_an_epoch_past_what_records_carry_is_refused_as_damage(state_dir, open_wal):
+    """Found by the bit-flip soak: a flipped high bit in the saved epoch made the open's RECOVER
+    record fail to encode (its epoch is a u32) with an untyped ValueError."""
+    open_wal().close()
+    env = raw_env(state_dir)
+    meta = env.open_db(b"meta")
+    with env.begin(write=True, db=meta) as txn:
+        txn.put(K_EPOCH, struct.pack(">Q", (1 << 54) | 1))
+    env.close()
+    with pytest.raises(WalCorruptError, match="epoch .* damaged"):
+        open_wal()
+    env = raw_env(state_dir)
+    with env.begin(write=True, db=env.open_db(b"meta")) as txn:
+        txn.put(K_EPOCH, struct.pack(">Q", MAX_EPOCH - 1))  # the last epoch a record carries
+    env.close()
+    assert open_wal().open_epoch() == MAX_EPOCH
+
+
+@pytest.mark.parametrize("error", [lmdb.BadDbiError, lmdb.IncompatibleError])
+def test_lmdb_finding_a_named_database_changed_is_a_typed_corruption(open_wal, error):
+    """MDB_BAD_DBI (met by the bit-flip soak on the first read after open) and
+    MDB_INCOMPATIBLE mean the main tree's record of a named database changed: damage."""
+    wal = open_wal()
+
+    def meets(txn):
+        raise error("as LMDB raises it")
+
+    with pytest.raises(WalCorruptError, match="damaged page while reading"):
+        wal._wenv.read(meets)
+    with pytest.raises(WalCorruptError, match="damaged page while writing"):
+        wal._wenv.write(meets)
 
 
 def test_lsns_continue_after_restart(state_dir, open_wal):
