@@ -164,6 +164,15 @@ def open_meta(wenv: WalEnv, layouts: bytes | None) -> MetaInfo:
         if exc.path is not None:
             raise
         raise WalCorruptError(exc.lsn, exc.reason, path) from exc  # name the directory
+    except lmdb.Error as exc:
+        # LMDB answers EIO for a short write of its pages: at open, found by the bit-flip soak
+        # (a damaged free list gave the commit pages it could not write). A disk that fails
+        # reads the same; either way this state cannot be opened as it is.
+        if "Input/output error" not in str(exc):
+            raise
+        raise WalCorruptError(-1, f"LMDB could not write data.mdb at open ({exc}): the file is "
+                              f"damaged or its disk failed; check the disk, then restore the "
+                              f"file or move the state directory away", path) from exc
     log.info("wal opened path=%s epoch=%s checkpoint_lsn=%s created=%s",
              path, info.epoch, info.checkpoint_lsn, info.created)
     return info

@@ -172,6 +172,19 @@ def test_lmdb_finding_a_named_database_changed_is_a_typed_corruption(open_wal, e
         wal._wenv.write(meets)
 
 
+def test_an_io_error_writing_meta_at_open_is_a_typed_error_that_says_what_to_do(open_wal, monkeypatch):
+    """Found by the bit-flip soak: LMDB answered the open's meta commit EIO (a short write of
+    pages a damaged free list named) and the open ended in an untyped ``lmdb.Error``."""
+    from prefixd.wal.env import WalEnv
+
+    def fails(self, fn):
+        raise lmdb.Error("mdb_txn_commit: Input/output error")
+
+    monkeypatch.setattr(WalEnv, "write", fails)
+    with pytest.raises(WalCorruptError, match="damaged or its disk failed.*move the state directory away"):
+        open_wal()
+
+
 def test_lsns_continue_after_restart(state_dir, open_wal):
     wal = open_wal()
     for i in range(7):
