@@ -17,6 +17,13 @@ a 64-bit little-endian host: a 16-byte page header, then ``MDB_meta``::
 
 Meta pages are pages 0 and 1; LMDB uses the one with the higher txnid. Anything that does not
 parse as that layout (another format, an empty or new file) is left to LMDB to judge.
+
+``check_data_file`` also pads the file with ``TAIL_PAD`` zero bytes past its last page (a sparse
+extension, no disk blocks). LMDB bounds-checks page numbers but not what it reads inside a page:
+a node's offset in ``mp_ptrs`` and a key's size are 16-bit, so a flipped bit in a page near the
+end of the file made it read up to 64 KiB past that page, past the end of the file: a SIGBUS
+(the bit-flip soak, 2 of 720 trials, both on the open's first read of the meta database). Over
+the padding the same read finds zeros, which LMDB or the records' checksums refuse, typed.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import struct
 from prefixd.wal.errors import WalCorruptError
 
 MAGIC = 0xBEEFC0DE
+TAIL_PAD = 256 << 10  # > a 16-bit offset plus a 16-bit key size past the last page
 DATA_VERSION = 1
 _HEAD = struct.Struct("<II")  # mm_magic, mm_version at offset 16
 _PSIZE = struct.Struct("<I")  # mm_dbs[FREE_DBI].md_pad at offset 40
@@ -45,26 +53,35 @@ def _meta(raw: bytes, offset: int) -> tuple[int, int, int] | None:
     return txnid, last_pg, psize
 
 
+def newest_meta(path: str) -> tuple[int, int, int] | None:
+    """``(txnid, last_pg, page_size)`` of the meta page LMDB would use, or None when the file
+    is absent or its first page is not an LMDB meta page of the known layout."""
+    try:
+        with open(path, "rb") as f:
+            meta0 = _meta(f.read(152), 0)
+            if meta0 is None:
+                return None
+            f.seek(meta0[2])
+            meta1 = _meta(f.read(152), 0)
+    except FileNotFoundError:
+        return None
+    return max(m for m in (meta0, meta1) if m is not None)
+
+
 def check_data_file(path: str, state_dir: str) -> None:
-    """Refuse ``path`` (an LMDB ``data.mdb``) if it is shorter than its newest meta page says.
+    """Refuse ``path`` (an LMDB ``data.mdb``) if it is shorter than its newest meta page says;
+    else pad it with ``TAIL_PAD`` zero bytes past its last page (the module docstring says why).
+    The caller holds the state directory's lock: nothing else writes the file meanwhile.
 
     Raises:
         WalCorruptError: the file is truncated (lsn 0: no record could be read), with its size
             and the size its meta page needs.
     """
-    try:
-        with open(path, "rb") as f:
-            first = f.read(152)
-            meta0 = _meta(first, 0)
-            if meta0 is None:
-                return
-            f.seek(meta0[2])
-            meta1 = _meta(f.read(152), 0)
-            size = os.fstat(f.fileno()).st_size
-    except FileNotFoundError:
+    meta = newest_meta(path)
+    if meta is None:
         return
-    metas = [m for m in (meta0, meta1) if m is not None]
-    txnid, last_pg, psize = max(metas)
+    txnid, last_pg, psize = meta
+    size = os.path.getsize(path)
     need = (last_pg + 1) * psize
     if size < need:
         raise WalCorruptError(
@@ -72,3 +89,8 @@ def check_data_file(path: str, state_dir: str) -> None:
             f"of {psize} bytes ({need} bytes): the file was truncated; restore it or move the state "
             f"directory away", state_dir,
         )
+    if size < need + TAIL_PAD:
+        try:
+            os.truncate(path, need + TAIL_PAD)  # zeros, sparse; LMDB writes pages at their offsets
+        except OSError:  # a read-only state directory: LMDB's open reports it
+            pass

@@ -44,6 +44,7 @@ import pytest
 from prefixd.api.layout import KVLayout
 from prefixd.engine.durable import DurableCache
 from prefixd.cache.node import DISK, path_to
+from prefixd.wal.datafile import newest_meta
 from prefixd.storage.errors import HeaderMismatchError
 from prefixd.storage.poolfile import DATA_OFFSET
 from tests.cache.helpers import StoreTokens
@@ -330,10 +331,12 @@ def lmdb_zero_record_pages(b: Built) -> None:
 
 
 def lmdb_truncate_past_the_meta_pages(b: Built) -> None:
+    """Cut half the pages in use (not of the file: an open pads it past its last page)."""
     path = _mdb(b)
-    size = os.path.getsize(path)
-    assert size > 4 * PAGE
-    os.truncate(path, size // PAGE // 2 * PAGE)
+    _, last_pg, psize = newest_meta(path)
+    used = (last_pg + 1) * psize
+    assert used > 4 * PAGE
+    os.truncate(path, used // PAGE // 2 * PAGE)
 
 
 def lmdb_truncate_inside_the_meta_pages(b: Built) -> None:

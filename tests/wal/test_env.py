@@ -185,6 +185,30 @@ def test_an_io_error_writing_meta_at_open_is_a_typed_error_that_says_what_to_do(
         open_wal()
 
 
+def test_an_open_pads_data_mdb_past_its_last_page_with_sparse_zeros(state_dir, open_wal):
+    """A damaged in-page offset made LMDB read up to 64 KiB past a page near the file's end:
+    a SIGBUS at open (bit-flip soak). The open pads the file so such a read finds zeros."""
+    from prefixd.wal.datafile import TAIL_PAD, newest_meta
+
+    wal = open_wal()
+    for i in range(50):
+        wal.append(Kind.COMMIT, i, 1, blob=os.urandom(3000))
+    wal.flush().result(10)
+    wal.close()
+    path = os.path.join(state_dir, "wal", "data.mdb")
+    _, last_pg, psize = newest_meta(path)
+    assert os.path.getsize(path) < (last_pg + 1) * psize + TAIL_PAD  # LMDB's own file: no pad
+    open_wal().close()  # the open pads (and then commits its meta transaction)
+    _, last_pg, psize = newest_meta(path)
+    used = (last_pg + 1) * psize
+    st = os.stat(path)
+    assert st.st_size >= used + TAIL_PAD // 2
+    with open(path, "rb") as f:
+        f.seek(used)
+        assert f.read() == bytes(st.st_size - used)  # zeros past the last page
+    assert st.st_blocks * 512 < used + TAIL_PAD // 2, "the padding took disk blocks"
+
+
 def test_lsns_continue_after_restart(state_dir, open_wal):
     wal = open_wal()
     for i in range(7):
