@@ -130,7 +130,17 @@ class PrefixCache:
         return lookup(self.tree, self._tokens(tokens), extra)
 
     def drain_events(self) -> list:
-        out, self.events = self.events, []
+        """The events since the last drain, in order; ``self.events`` stays the same list.
+
+        NOTE: emptied in place, not replaced: an allocation short of quarantined slots drains
+        in the middle of an operation (``on_deferred_shortage``), and a caller holding the list
+        (``_commit`` across its write-through) appended to a list already logged: the
+        ``SeqCommitted`` record was lost and its commit acknowledged anyway
+        (``tests/engine/test_commit_forces_reclaim.py``).
+        """
+        events = self.events
+        out = events.copy()
+        events.clear()
         return out
 
     # -- mutations -----------------------------------------------------------------------
@@ -358,21 +368,17 @@ class PrefixCache:
             self.tree.unlock(node)
         seq.node = deepest
         seq.num_indexed = num_full
-        # NOTE: ``self.events`` is read again for every append, never kept: the write-through
-        # may allocate, and an allocation short of quarantined slots drains and logs the events
-        # (``on_deferred_shortage``): an event appended to the list read before it was lost,
-        # its commit acknowledged without its record (tests/engine/test_commit_forces_reclaim.py).
+        events = self.events  # the one list: the write-through may drain it (``drain_events``)
         for run in adopted:  # runs only in lower tiers took our device copies of their blocks
-            self.events.append(new_event(BlocksMoved, (DEVICE, run.hashes, run.slots[DEVICE], [])))
+            events.append(new_event(BlocksMoved, (DEVICE, run.hashes, run.slots[DEVICE], [])))
         added = 0
         if new is not None:
-            self.events.append(new_event(BlocksStored, (new.parent.hashes[-1], new.hashes, new.tokens,
-                                                        new.slots[DEVICE])))
+            events.append(new_event(BlocksStored, (new.parent.hashes[-1], new.hashes, new.tokens, new.slots[DEVICE])))
             added = new.num_blocks
             self.stats.committed_blocks += added
             if self.tiering is not None:
                 self.tiering.write_through(new)
-        self.events.append(new_event(SeqCommitted, (seq.id, num_full, deepest.hashes[-1])))
+        events.append(new_event(SeqCommitted, (seq.id, num_full, deepest.hashes[-1])))
         return added
 
     def _copy_on_write(self, seq: Sequence, new_slot: int) -> None:

@@ -23,7 +23,7 @@ from prefixd.engine import snapshot as ckpt
 from prefixd.engine import DurabilityError, DurableCache
 from prefixd.cache.errors import OutOfBlocks
 from prefixd.engine.errors import StateFormatError
-from prefixd.cache.node import DEVICE, DISK, HOST
+from prefixd.cache.node import DEVICE, DISK, HOST, path_to
 from prefixd.cache.prefix_cache import PrefixCache
 from prefixd.engine.replay import ReplayError, Replayer
 from prefixd.wal import Kind, Record, Wal
@@ -66,11 +66,7 @@ def _surviving_seqs(dc: DurableCache) -> dict:
 
 
 def _path_tokens(node) -> bytes:
-    parts = []
-    while node.parent is not None:
-        parts.append(node.tokens)
-        node = node.parent
-    return b"".join(reversed(parts))
+    return b"".join(n.tokens for n in path_to(node))
 
 
 def _eviction_order(tree, tier: int) -> list[bytes]:
