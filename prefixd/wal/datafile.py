@@ -24,6 +24,9 @@ a node's offset in ``mp_ptrs`` and a key's size are 16-bit, so a flipped bit in 
 end of the file made it read up to 64 KiB past that page, past the end of the file: a SIGBUS
 (the bit-flip soak, 2 of 720 trials, both on the open's first read of the meta database). Over
 the padding the same read finds zeros, which LMDB or the records' checksums refuse, typed.
+
+``check_structure`` walks the file before LMDB maps it (``prefixd.wal.pagewalk``, by ``pread``):
+a damaged 32-bit value size is what the padding cannot cover (the walk's docstring says why).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import os
 import struct
 
+from prefixd.wal import pagewalk
 from prefixd.wal.errors import WalCorruptError
 
 MAGIC = 0xBEEFC0DE
@@ -39,6 +43,7 @@ DATA_VERSION = 1
 _HEAD = struct.Struct("<II")  # mm_magic, mm_version at offset 16
 _PSIZE = struct.Struct("<I")  # mm_dbs[FREE_DBI].md_pad at offset 40
 _TAIL = struct.Struct("<QQ")  # mm_last_pg, mm_txnid at offset 136
+SHOWN_PROBLEMS = 3  # how many of the walk's findings an error names
 
 
 def _meta(raw: bytes, offset: int) -> tuple[int, int, int] | None:
@@ -53,19 +58,26 @@ def _meta(raw: bytes, offset: int) -> tuple[int, int, int] | None:
     return txnid, last_pg, psize
 
 
-def newest_meta(path: str) -> tuple[int, int, int] | None:
-    """``(txnid, last_pg, page_size)`` of the meta page LMDB would use, or None when the file
-    is absent or its first page is not an LMDB meta page of the known layout."""
+def _metas(path: str) -> list[tuple[tuple[int, int, int], int]]:
+    """``((txnid, last_pg, page_size), offset)`` of each meta page of the known layout in
+    ``path``; empty when the file is absent or its first page is not one."""
     try:
         with open(path, "rb") as f:
             meta0 = _meta(f.read(152), 0)
             if meta0 is None:
-                return None
+                return []
             f.seek(meta0[2])
             meta1 = _meta(f.read(152), 0)
     except FileNotFoundError:
-        return None
-    return max(m for m in (meta0, meta1) if m is not None)
+        return []
+    return [(meta0, 0)] + ([(meta1, meta0[2])] if meta1 is not None else [])
+
+
+def newest_meta(path: str) -> tuple[int, int, int] | None:
+    """``(txnid, last_pg, page_size)`` of the meta page LMDB would use, or None when the file
+    is absent or its first page is not an LMDB meta page of the known layout."""
+    metas = _metas(path)
+    return max(metas)[0] if metas else None
 
 
 def check_data_file(path: str, state_dir: str) -> None:
@@ -94,3 +106,27 @@ def check_data_file(path: str, state_dir: str) -> None:
             os.truncate(path, need + TAIL_PAD)  # zeros, sparse; LMDB writes pages at their offsets
         except OSError:  # a read-only state directory: LMDB's open reports it
             pass
+
+
+def check_structure(path: str, state_dir: str) -> None:
+    """Refuse ``path`` (an LMDB ``data.mdb``, not yet mapped) if a read through LMDB could leave
+    the file: ``pagewalk.walk`` from the newest meta page. A file that is absent or not of the
+    known layout is left to LMDB, as in ``check_data_file``.
+
+    Raises:
+        WalCorruptError: the walk found damage, or could not finish (lsn -1: no record can be
+            named), with its first findings.
+    """
+    metas = _metas(path)
+    if not metas:
+        return
+    meta, offset = max(metas)
+    try:
+        problems = pagewalk.walk(path, meta, offset)
+    except Exception as exc:  # noqa: BLE001 - a walk that cannot finish vouches for nothing
+        problems = [f"the walk stopped: {type(exc).__name__}: {exc}"]
+    if problems:
+        more = f" (and {len(problems) - SHOWN_PROBLEMS} more)" if len(problems) > SHOWN_PROBLEMS else ""
+        raise WalCorruptError(
+            -1, f"{path} fails the structural check: {'; '.join(problems[:SHOWN_PROBLEMS])}{more}", state_dir,
+        )

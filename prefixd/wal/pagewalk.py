@@ -1,0 +1,201 @@
+"""A bounds walk of LMDB's data file before it is mapped: no read through the map may leave the file.
+
+LMDB checks a page number against the last page in use, and ``datafile.check_data_file``
+checks the file reaches that page and pads it 256 KiB past it (which covers every 16-bit
+offset and size inside a page). What is left are the sizes LMDB trusts without a bound:
+
+- a value's 32-bit size. py-lmdb touches one byte of every page of a value as it hands the
+  value out (its ``preload``), before any of our code sees it, so a size grown by a flipped bit
+  is a SIGBUS inside ``iternext`` (the bit-flip soak, 1 of 5,280 trials);
+- an overflow value's first page number and length, and the overflow page's own page count;
+- a free-list record's entry count (LMDB copies that many page numbers when it allocates).
+
+``walk`` reads every page reachable from the newest meta page with ``pread`` (never the map), a
+tree level at a time, and checks those bounds, page kinds, page numbers (each page stores its
+own), cycles and depth, with numpy over all of a level's node headers at once. It checks no key
+order and no counters: a damaged order or count makes LMDB or the records' checksums refuse
+the file, typed; only a read past the file kills the process. ``lmdb.verify`` (py-lmdb's full
+offline verifier) checks all of that too, but took 8-15x as long on a 1M-block state (0.12-0.29 s
+against 15-34 ms), as much as the rest of a cold recovery (docs/design.md, "Durability").
+
+Layout (LMDB data format 1, a 64-bit little-endian build): a page is a 16-byte header
+(``mp_pgno`` u64, ``mp_pad`` u16, ``mp_flags`` u16, then ``mp_lower`` / ``mp_upper`` u16, or for
+an overflow page ``mp_pages`` u32), then ``mp_ptrs`` (u16 node offsets). A node is ``mn_lo``,
+``mn_hi``, ``mn_flags``, ``mn_ksize`` (u16 each), the key, then the value: ``mn_lo | mn_hi << 16``
+is a leaf's value size, and with ``mn_flags`` a branch's child page number (48 bits). A big
+value's node holds the u64 page number of its overflow pages. A named database's record in the
+main tree is an ``MDB_db`` (48 bytes, ``md_root`` at 40); the meta page holds the free and
+main databases' at offsets 40 and 88 of the page.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+
+P_BRANCH, P_LEAF, P_OVERFLOW = 0x01, 0x02, 0x04
+P_LEAF2, P_SUBP = 0x20, 0x40  # pages of duplicate-sort databases, which prefixd does not use
+F_BIGDATA, F_SUBDATA, F_DUPDATA = 0x01, 0x02, 0x04
+P_INVALID = (1 << 64) - 1  # the root of an empty tree
+PAGE_HEADER = 16
+NODE_HEADER = 8
+DB_RECORD = 48  # sizeof(MDB_db)
+ROOT_IN_DB = 40  # md_root's offset in an MDB_db
+FREE_DB_AT, MAIN_DB_AT = 40, 88  # mm_dbs[FREE_DBI], mm_dbs[MAIN_DBI] in a meta page
+MAX_DEPTH = 32  # LMDB's CURSOR_STACK: a deeper tree is damage
+MAX_PROBLEMS = 20
+_U64 = struct.Struct("<Q")
+_HEAD = struct.Struct("<QHHHH")  # mp_pgno, mp_pad, mp_flags, mp_lower, mp_upper
+_OVERFLOW = struct.Struct("<QHHI")  # mp_pgno, mp_pad, mp_flags, mp_pages
+
+
+def _u16(flat: np.ndarray, at: np.ndarray) -> np.ndarray:
+    return flat[at].astype(np.int64) | flat[at + 1].astype(np.int64) << 8
+
+
+def _u64(flat: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """Little-endian u64s at byte offsets ``at`` of ``flat`` (as Python-safe int64 when < 2^63;
+    larger values, only ever damage, come out negative and fail every range check)."""
+    out = np.zeros(len(at), dtype=np.uint64)
+    for k in range(8):
+        out |= flat[at + k].astype(np.uint64) << np.uint64(8 * k)
+    return out.view(np.int64)
+
+
+class _Walk:
+    """One walk's file, bounds and findings (``walk`` is the entry point).
+
+    NOTE: the walk is level by level, each level's pages read into one array and checked with
+    numpy over all their nodes at once: a checkpoint of 1M blocks is ~2,000 leaf pages of ~45,000
+    nodes, and page-at-a-time numpy cost ~120 us a page here, as much as LMDB's open and the
+    checkpoint's load together.
+    """
+
+    def __init__(self, fd: int, psize: int, next_pgno: int, file_pages: int) -> None:
+        self.fd, self.psize = fd, psize
+        self.next_pgno = min(next_pgno, file_pages)  # check_data_file refused a shorter file
+        self.problems: list[str] = []
+        self.seen: set[int] = set()
+
+    def bad(self, where: str, what: str) -> None:
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(f"{where}: {what}")
+
+    def in_range(self, pgno: int, npages: int = 1) -> bool:
+        return 2 <= pgno and pgno + npages <= self.next_pgno
+
+    def tree(self, name: str, root: int, is_free: bool = False) -> None:
+        """Walk one B-tree from ``root``, a level at a time."""
+        level, depth = ([] if root == P_INVALID else [root]), 0
+        while level and not self.problems:
+            depth += 1
+            if depth > MAX_DEPTH:
+                self.bad(f"{name} DB", f"deeper than {MAX_DEPTH} levels")
+                return
+            pgnos = []
+            for pgno in level:
+                if not self.in_range(pgno):
+                    self.bad(f"{name} DB page {pgno}", f"out of range (pages in use: {self.next_pgno})")
+                elif pgno in self.seen:
+                    self.bad(f"{name} DB page {pgno}", "reached twice (a cycle or a shared page)")
+                else:
+                    self.seen.add(pgno)
+                    pgnos.append(pgno)
+            if self.problems:
+                return
+            level = self.level(name, pgnos, is_free)
+
+    def level(self, name: str, pgnos: list[int], is_free: bool) -> list[int]:
+        """Check one level's pages; returns the next level's page numbers."""
+        psize = self.psize
+        flat = np.frombuffer(b"".join(os.pread(self.fd, psize, p * psize) for p in pgnos), np.uint8)
+        base = np.arange(len(pgnos), dtype=np.int64) * psize
+        stored = _u64(flat, base)
+        flags, lower, upper = _u16(flat, base + 10), _u16(flat, base + 12), _u16(flat, base + 14)
+        kind = flags & (P_BRANCH | P_LEAF | P_OVERFLOW | P_LEAF2 | P_SUBP)
+        ok = ((stored == np.asarray(pgnos, dtype=np.int64)) & ((kind == P_BRANCH) | (kind == P_LEAF))
+              & (PAGE_HEADER <= lower) & (lower <= upper) & (upper <= psize) & ((lower - PAGE_HEADER) % 2 == 0))
+        for i in np.flatnonzero(~ok)[:MAX_PROBLEMS]:
+            self.bad(f"{name} DB page {pgnos[i]}", f"bad header (page number {int(stored[i])}, flags "
+                                                    f"{int(flags[i]):#x}, lower {int(lower[i])}, upper {int(upper[i])})")
+        if not ok.all():
+            return []
+        # every node of the level: its page, its offset, its 8-byte header
+        counts = (lower - PAGE_HEADER) // 2
+        page = np.repeat(np.arange(len(pgnos)), counts)
+        nth = np.arange(len(page)) - np.repeat(np.cumsum(counts) - counts, counts)
+        offset = _u16(flat, base[page] + PAGE_HEADER + 2 * nth)
+        outside = (offset < upper[page]) | (offset > psize - NODE_HEADER)
+        if outside.any():
+            return self._first(name, pgnos, page, outside, "a node offset outside the page's node area")
+        at = base[page] + offset
+        lo, hi, nflags, ksize = (_u16(flat, at + 2 * k) for k in range(4))
+        data_at = offset + NODE_HEADER + ksize
+        if (data_at > psize).any():
+            return self._first(name, pgnos, page, data_at > psize, "a key runs past the page")
+        branch = kind[page] == P_BRANCH
+        children = (lo | hi << 16 | nflags << 32)[branch]
+        leaf = ~branch
+        size = lo | hi << 16
+        big = leaf & (nflags & F_BIGDATA != 0)
+        past = leaf & (data_at + np.where(big, 8, size) > psize)
+        if past.any():
+            return self._first(name, pgnos, page, past, "a value runs past the page")
+        if (leaf & (nflags & F_DUPDATA != 0)).any():
+            return self._first(name, pgnos, page, leaf & (nflags & F_DUPDATA != 0),
+                               "a duplicate-sort node (prefixd's databases have none)")
+        if is_free:  # a free-list record: a u64 count, then that many page numbers
+            small = leaf & ~big
+            wrong = small & ((size < 8) | (size != 8 * (1 + _u64(flat, base[page] + np.minimum(data_at, psize - 8)))))
+            if wrong.any():
+                return self._first(name, pgnos, page, wrong, "a free-list record names another count")
+        where_big = np.flatnonzero(big)
+        for i, ov in zip(where_big, _u64(flat, base[page][where_big] + data_at[where_big])):
+            self.overflow(f"{name} DB page {pgnos[page[i]]}", int(ov), int(size[i]), is_free)
+        for i in np.flatnonzero(leaf & (nflags & F_SUBDATA != 0)):
+            start = int(base[page[i]] + data_at[i])
+            key = bytes(flat[start - int(ksize[i]):start]).decode("ascii", "replace")
+            if big[i] or int(size[i]) != DB_RECORD:
+                self.bad(f"{name} DB page {pgnos[page[i]]}", f"the record of database {key!r} is {int(size[i])} bytes")
+            else:
+                self.tree(f"{name}/{key}", _U64.unpack_from(flat, start + ROOT_IN_DB)[0])
+        return [int(c) for c in children]
+
+    def _first(self, name: str, pgnos: list[int], page: np.ndarray, mask: np.ndarray, what: str) -> list[int]:
+        self.bad(f"{name} DB page {pgnos[page[np.flatnonzero(mask)[0]]]}", what)
+        return []
+
+    def overflow(self, where: str, pgno: int, size: int, is_free: bool) -> None:
+        npages = -(-(PAGE_HEADER + size) // self.psize)
+        if not self.in_range(pgno, npages):
+            self.bad(where, f"a value of {size} bytes on pages [{pgno}, +{npages}) past the pages in use "
+                            f"({self.next_pgno})")
+            return
+        head = os.pread(self.fd, PAGE_HEADER + 8, pgno * self.psize)
+        stored, _, flags, pages = _OVERFLOW.unpack_from(head)
+        if stored != pgno or not flags & P_OVERFLOW or pages < npages:
+            self.bad(where, f"overflow page {pgno} (page number {stored}, flags {flags:#x}, {pages} pages) "
+                            f"does not hold a value of {size} bytes")
+        elif is_free and size != 8 * (1 + _U64.unpack_from(head, PAGE_HEADER)[0]):
+            self.bad(where, f"a free-list record of {size} bytes names another count")
+
+
+def walk(path: str, txnid_last_pg_psize: tuple[int, int, int], meta_offset: int) -> list[str]:
+    """Findings of the bounds walk of ``path`` (empty: every read LMDB can make stays in the file).
+
+    ``txnid_last_pg_psize`` is the newest meta page's (``datafile.newest_meta``), found at
+    ``meta_offset`` in the file.
+    """
+    _, last_pg, psize = txnid_last_pg_psize
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        w = _Walk(fd, psize, last_pg + 1, size // psize)
+        meta = os.pread(fd, MAIN_DB_AT + DB_RECORD, meta_offset)
+        w.tree("free", _U64.unpack_from(meta, FREE_DB_AT + ROOT_IN_DB)[0], is_free=True)
+        w.tree("main", _U64.unpack_from(meta, MAIN_DB_AT + ROOT_IN_DB)[0])
+        return w.problems
+    finally:
+        os.close(fd)

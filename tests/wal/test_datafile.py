@@ -1,0 +1,175 @@
+"""The bounds walk of ``data.mdb`` before LMDB maps it (``datafile.check_structure``, ``pagewalk``).
+
+A damaged value size makes py-lmdb touch pages past the end of the file as it hands the value
+out: a SIGBUS that kills the daemon at every start. These tests damage a real log the way a
+flipped bit does and check the open refuses it, typed; the control shows the same file kills a
+reader that skips the walk.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import struct
+
+import pytest
+
+from lmdb import verify as lmdb_verify
+
+from prefixd.wal import Kind, WalCorruptError, pagewalk
+from prefixd.wal.datafile import _metas, newest_meta
+
+from .conftest import raw_env, run_child
+
+NODE = struct.Struct("<HHHH")  # mn_lo, mn_hi (the value size's two halves), mn_flags, mn_ksize
+F_BIGDATA = 0x01
+META_LAST_PG = 136  # mm_last_pg's offset in a meta page
+
+
+def _log_items(state_dir: str) -> list[tuple[bytes, bytes]]:
+    env = raw_env(state_dir)
+    try:
+        log = env.open_db(b"log")
+        with env.begin() as txn:
+            return list(txn.cursor(db=log))
+    finally:
+        env.close()
+
+
+def _write_log(open_wal, blob_bytes: int, n: int = 40) -> None:
+    wal = open_wal()
+    for i in range(n):
+        wal.append(Kind.COMMIT, i, 1, blob=os.urandom(blob_bytes))
+    wal.flush().result(10)
+    wal.close()
+
+
+def _node_of(raw: bytes, key: bytes, value: bytes) -> int:
+    """Offset in ``raw`` of the leaf node that holds ``key`` -> ``value`` (in its page, or
+    pointing at its overflow pages)."""
+    at = raw.find(value)
+    assert at > 0 and raw.find(value, at + 1) < 0, "the value is not in the file exactly once"
+    in_page = at - len(key) - NODE.size
+    lo, hi, flags, ksize = NODE.unpack_from(raw, in_page)
+    if ksize == len(key) and raw[in_page + NODE.size:at] == key and lo | hi << 16 == len(value):
+        return in_page
+    psize = _page_size(raw)
+    assert (at - 16) % psize == 0, "a big value starts after its overflow page's header"
+    pointer = raw.find(key + struct.pack("<Q", (at - 16) // psize))
+    assert pointer > 0, "no leaf node points at the value's overflow pages"
+    node = pointer - NODE.size
+    lo, hi, flags, ksize = NODE.unpack_from(raw, node)
+    assert flags & F_BIGDATA and lo | hi << 16 == len(value)
+    return node
+
+
+def _page_size(raw: bytes) -> int:
+    return struct.unpack_from("<I", raw, 40)[0]
+
+
+def _grow_value_size(path: str, key: bytes, value: bytes, by_64k: int) -> None:
+    """Add ``by_64k`` x 64 KiB to the stored size of ``value`` (a flipped bit in its high half)."""
+    with open(path, "r+b") as f:
+        raw = f.read()
+        node = _node_of(raw, key, value)
+        lo, hi, flags, ksize = NODE.unpack_from(raw, node)
+        f.seek(node)
+        f.write(NODE.pack(lo, hi + by_64k, flags, ksize))
+
+
+REPLAY_CHILD = """
+import sys
+from prefixd.wal import Wal, WalCorruptError
+from prefixd.wal import env
+if {skip_walk}:
+    env.check_structure = lambda path, state_dir: None  # the reader without the walk
+try:
+    with Wal({state!r}, layouts=b"layout-v1") as wal:
+        print("replayed", sum(1 for _ in wal.replay()))
+except WalCorruptError as exc:
+    print("typed:", exc)
+"""
+
+
+@pytest.mark.parametrize("blob_bytes", [200, 3000], ids=["in-page value", "overflow value"])
+def test_a_value_size_past_the_file_is_refused_before_any_read(state_dir, open_wal, blob_bytes):
+    """Guards against the bit-flip soak's SIGBUS (1 in 5,280 trials): a damaged value size sent
+    py-lmdb's page touch 16 MiB past the end of the file while the log was replayed."""
+    _write_log(open_wal, blob_bytes)
+    key, value = _log_items(state_dir)[20]
+    _grow_value_size(os.path.join(state_dir, "wal", "data.mdb"), key, value, by_64k=256)
+    out = run_child(REPLAY_CHILD.format(state=state_dir, skip_walk=False))
+    assert out.returncode == 0, f"the open died: rc={out.returncode} {out.stderr[-1500:]}"
+    assert "typed:" in out.stdout and "fails the structural check" in out.stdout, out.stdout
+    assert "restore it from a backup" in out.stdout
+
+
+def test_control_without_the_walk_the_same_damage_kills_the_reader(state_dir, open_wal):
+    """The positive control of the test above: the damage it plants is a SIGBUS without the walk
+    (for an overflow value LMDB checks nothing; an in-page one it refuses itself)."""
+    _write_log(open_wal, 3000)
+    key, value = _log_items(state_dir)[20]
+    _grow_value_size(os.path.join(state_dir, "wal", "data.mdb"), key, value, by_64k=256)
+    out = run_child(REPLAY_CHILD.format(state=state_dir, skip_walk=True))
+    assert out.returncode == -signal.SIGBUS, (out.returncode, out.stdout, out.stderr[-800:])
+
+
+def test_an_overflow_page_too_short_for_its_value_is_refused(state_dir, open_wal):
+    _write_log(open_wal, 3000)
+    key, value = _log_items(state_dir)[5]
+    path = os.path.join(state_dir, "wal", "data.mdb")
+    with open(path, "r+b") as f:
+        raw = f.read()
+        node = _node_of(raw, key, value)
+        (pgno,) = struct.unpack_from("<Q", raw, node + NODE.size + len(key))
+        f.seek(pgno * _page_size(raw) + 12)  # mp_pages: 1, the value needs 1 + 3000 bytes: 1 page
+        f.write(struct.pack("<I", 0))
+    with pytest.raises(WalCorruptError, match=f"overflow page {pgno} .*0 pages.*does not hold a value of {len(value)}"):
+        open_wal()
+
+
+def test_the_walk_and_lmdbs_own_verifier_both_pass_a_healthy_log(state_dir, open_wal):
+    """The reference for the walk's page layout: on a log of in-page and overflow values, a
+    checkpoint and a truncated head (free pages), py-lmdb's full verifier finds nothing either."""
+    wal = open_wal()
+    for i in range(300):
+        wal.append(Kind.COMMIT, i, 1, blob=os.urandom(100 if i % 3 else 9000))
+    wal.flush().result(10)
+    wal.checkpoint(150, {b"k%05d" % i: os.urandom(5000) for i in range(40)}, {b"s1": os.urandom(300)})
+    wal.close()
+    path = os.path.join(state_dir, "wal", "data.mdb")
+    assert lmdb_verify.verify(path, subdir=False) == []
+    meta, offset = max(_metas(path))
+    assert pagewalk.walk(path, meta, offset) == []
+
+
+def test_a_leaked_page_is_not_refused(state_dir, open_wal):
+    """A page neither reachable nor free costs space, not bytes: refusing it would throw away a
+    cache that serves right bytes (``lmdb.verify`` reports it; the walk does not look)."""
+    _write_log(open_wal, 200)
+    before = _log_items(state_dir)
+    path = os.path.join(state_dir, "wal", "data.mdb")
+    txnid, last_pg, psize = newest_meta(path)
+    os.truncate(path, max(os.path.getsize(path), (last_pg + 2) * psize))
+    with open(path, "r+b") as f:  # the newest meta claims one more page: it is in neither set
+        for page in (0, 1):
+            f.seek(page * psize + META_LAST_PG)
+            pg, tx = struct.unpack("<QQ", f.read(16))
+            if tx == txnid:
+                f.seek(page * psize + META_LAST_PG)
+                f.write(struct.pack("<Q", pg + 1))
+    assert any("neither reachable nor in the freeDB" in p for p in lmdb_verify.verify(path, subdir=False))
+    wal = open_wal()
+    assert sum(1 for _ in wal.replay()) == len(before)
+    wal.close()
+
+
+def test_a_walk_that_cannot_finish_is_a_typed_refusal(state_dir, open_wal, monkeypatch):
+    _write_log(open_wal, 200, n=3)
+
+    def broken(path, meta, offset):
+        raise struct.error("unpack requires a buffer of 16 bytes")
+
+    monkeypatch.setattr(pagewalk, "walk", broken)
+    with pytest.raises(WalCorruptError, match="structural check: the walk stopped: error: unpack"):
+        open_wal()
