@@ -5,7 +5,9 @@
 For every pool (``DIR/pools/<tenant>/<pool>/``, or ``DIR`` itself when it is one pool's
 directory) it checks, and reports instead of repairing:
 
-1. the write-ahead log: the checkpoint's chunks and every record after it (checksums, lsn
+1. the write-ahead log: LMDB's own structure (py-lmdb's offline verifier, ``lmdb.verify``:
+   every invariant of its B-trees, key order and free pages included, more than the bounds
+   walk every open makes), the checkpoint's chunks and every record after it (checksums, lsn
    order: ``prefixd.wal.reader``), the meta pages and the file's size (``WalEnv``);
 2. the disk pool file: its header (magic, checksum, layout, slot count) and its length;
 3. the index against the pool files: the index the log rebuilds (the engine's own recovery,
@@ -145,6 +147,7 @@ def check_pool(pool: str, scratch: str, config: EngineConfig, progress=None) -> 
         problems.append(Problem("layout", pool, "no readable manifest, disk header or log meta "
                                 "names this pool's KV layout"))
         return PoolReport(pool, 0, 0, [], problems)
+    _check_lmdb(copy, pool, problems)
     records = _check_log(copy, pool, problems)
     tenant = config.tenant(tenant_name) if tenant_name else None
     kwargs = cache_kwargs(config, tenant or config.tenants[0])
@@ -173,6 +176,20 @@ def check_pool(pool: str, scratch: str, config: EngineConfig, progress=None) -> 
     finally:
         dc.close()
     return PoolReport(pool, records, checked, bad, problems)
+
+
+def _check_lmdb(copy: str, pool: str, problems: list[Problem]) -> None:
+    """LMDB's structure, walked offline (``lmdb.verify``); each finding is a problem. A leak
+    (pages neither reachable nor free) is one too: the open lets it through (it misdirects no
+    read), but a healthy LMDB file has none."""
+    from lmdb import verify as lmdb_verify
+
+    path = os.path.join(pool, "wal", "data.mdb")
+    try:
+        found = lmdb_verify.verify(os.path.join(copy, "wal", "data.mdb"), subdir=False)
+    except Exception as exc:  # noqa: BLE001 - a walk that cannot finish is a finding
+        found = [f"the check could not finish: {type(exc).__name__}: {exc}"]
+    problems.extend(Problem("wal", path, f"LMDB structure: {_local(f, copy, pool)}") for f in found)
 
 
 def _check_log(copy: str, pool: str, problems: list[Problem]) -> int:

@@ -8,13 +8,16 @@ offset and size inside a page). What is left are the sizes LMDB trusts without a
   value out (its ``preload``), before any of our code sees it, so a size grown by a flipped bit
   is a SIGBUS inside ``iternext`` (the bit-flip soak, 1 of 5,280 trials);
 - an overflow value's first page number and length, and the overflow page's own page count;
-- a free-list record's entry count (LMDB copies that many page numbers when it allocates).
+- the free list: a record's entry count (LMDB copies that many page numbers when it allocates),
+  its page numbers (a page listed free but in use is overwritten under a tree that points at
+  it), its txnid keys (LMDB asserts on their order: a SIGABRT).
 
 ``walk`` reads every page reachable from the newest meta page with ``pread`` (never the map), a
 tree level at a time, and checks those bounds, page kinds, page numbers (each page stores its
-own), cycles and depth, with numpy over all of a level's node headers at once. It checks no key
-order and no counters: a damaged order or count makes LMDB or the records' checksums refuse
-the file, typed; only a read past the file kills the process. ``lmdb.verify`` (py-lmdb's full
+own), cycles and depth, with numpy over all of a level's node headers at once; then the free
+list against the pages the trees use (``_Walk.finish``). It checks no key order (but the free
+list's) and no counters: a damaged order or count makes LMDB or the records' checksums refuse
+the file, typed; a read past the file or one of LMDB's assertions kills the process. ``lmdb.verify`` (py-lmdb's full
 offline verifier) checks all of that too, but took 8-15x as long on a 1M-block state (0.12-0.29 s
 against 15-34 ms), as much as the rest of a cold recovery (docs/design.md, "Durability").
 
@@ -47,7 +50,6 @@ FREE_DB_AT, MAIN_DB_AT = 40, 88  # mm_dbs[FREE_DBI], mm_dbs[MAIN_DBI] in a meta 
 MAX_DEPTH = 32  # LMDB's CURSOR_STACK: a deeper tree is damage
 MAX_PROBLEMS = 20
 _U64 = struct.Struct("<Q")
-_HEAD = struct.Struct("<QHHHH")  # mp_pgno, mp_pad, mp_flags, mp_lower, mp_upper
 _OVERFLOW = struct.Struct("<QHHI")  # mp_pgno, mp_pad, mp_flags, mp_pages
 
 
@@ -73,11 +75,13 @@ class _Walk:
     checkpoint's load together.
     """
 
-    def __init__(self, fd: int, psize: int, next_pgno: int, file_pages: int) -> None:
-        self.fd, self.psize = fd, psize
+    def __init__(self, fd: int, psize: int, txnid: int, next_pgno: int, file_pages: int) -> None:
+        self.fd, self.psize, self.txnid = fd, psize, txnid
         self.next_pgno = min(next_pgno, file_pages)  # check_data_file refused a shorter file
         self.problems: list[str] = []
-        self.seen: set[int] = set()
+        self.seen: set[int] = set()  # tree pages reached
+        self.overflows: list[tuple[int, int]] = []  # (first page, pages) of every big value
+        self.free: list[tuple[int, bytes]] = []  # (txnid, page-number list) of the free DB, in key order
 
     def bad(self, where: str, what: str) -> None:
         if len(self.problems) < MAX_PROBLEMS:
@@ -146,14 +150,19 @@ class _Walk:
         if (leaf & (nflags & F_DUPDATA != 0)).any():
             return self._first(name, pgnos, page, leaf & (nflags & F_DUPDATA != 0),
                                "a duplicate-sort node (prefixd's databases have none)")
-        if is_free:  # a free-list record: a u64 count, then that many page numbers
-            small = leaf & ~big
-            wrong = small & ((size < 8) | (size != 8 * (1 + _u64(flat, base[page] + np.minimum(data_at, psize - 8)))))
-            if wrong.any():
-                return self._first(name, pgnos, page, wrong, "a free-list record names another count")
+        if is_free and (leaf & (ksize != 8)).any():
+            return self._first(name, pgnos, page, leaf & (ksize != 8), "a free-list key is not a txnid")
         where_big = np.flatnonzero(big)
+        values = {}
         for i, ov in zip(where_big, _u64(flat, base[page][where_big] + data_at[where_big])):
-            self.overflow(f"{name} DB page {pgnos[page[i]]}", int(ov), int(size[i]), is_free)
+            values[i] = self.overflow(f"{name} DB page {pgnos[page[i]]}", int(ov), int(size[i]), is_free)
+        if is_free:  # keep each record (txnid -> its page numbers) for finish()
+            for i in np.flatnonzero(leaf):
+                at = int(base[page[i]] + data_at[i])
+                txnid = _U64.unpack_from(flat, at - 8)[0]
+                value = values.get(i) if big[i] else bytes(flat[at:at + int(size[i])])
+                if value is not None:
+                    self.free.append((txnid, value))
         for i in np.flatnonzero(leaf & (nflags & F_SUBDATA != 0)):
             start = int(base[page[i]] + data_at[i])
             key = bytes(flat[start - int(ksize[i]):start]).decode("ascii", "replace")
@@ -167,19 +176,55 @@ class _Walk:
         self.bad(f"{name} DB page {pgnos[page[np.flatnonzero(mask)[0]]]}", what)
         return []
 
-    def overflow(self, where: str, pgno: int, size: int, is_free: bool) -> None:
+    def overflow(self, where: str, pgno: int, size: int, is_free: bool) -> bytes | None:
+        """Check a big value's overflow pages; returns the value of a free-list record."""
         npages = -(-(PAGE_HEADER + size) // self.psize)
         if not self.in_range(pgno, npages):
             self.bad(where, f"a value of {size} bytes on pages [{pgno}, +{npages}) past the pages in use "
                             f"({self.next_pgno})")
-            return
-        head = os.pread(self.fd, PAGE_HEADER + 8, pgno * self.psize)
-        stored, _, flags, pages = _OVERFLOW.unpack_from(head)
+            return None
+        stored, _, flags, pages = _OVERFLOW.unpack_from(os.pread(self.fd, _OVERFLOW.size, pgno * self.psize))
         if stored != pgno or not flags & P_OVERFLOW or pages < npages:
             self.bad(where, f"overflow page {pgno} (page number {stored}, flags {flags:#x}, {pages} pages) "
                             f"does not hold a value of {size} bytes")
-        elif is_free and size != 8 * (1 + _U64.unpack_from(head, PAGE_HEADER)[0]):
-            self.bad(where, f"a free-list record of {size} bytes names another count")
+            return None
+        self.overflows.append((pgno, npages))
+        return os.pread(self.fd, size, pgno * self.psize + PAGE_HEADER) if is_free else None
+
+    def finish(self) -> None:
+        """The free list against the trees. LMDB trusts it when it allocates (the open's own
+        write transaction does): a page listed free but in use is overwritten while a tree
+        still points at it, and a txnid past the meta's or out of order fails an assertion in
+        ``mdb_freelist_save`` (the bit-flip soak: a SIGABRT)."""
+        if self.problems:
+            return
+        live = np.zeros(self.next_pgno, dtype=bool)
+        live[list(self.seen)] = True
+        for first, n in self.overflows:
+            if live[first:first + n].any():
+                self.bad(f"overflow pages [{first}, +{n})", "also in use elsewhere")
+                return
+            live[first:first + n] = True
+        last_txnid, lists = 0, []
+        for txnid, value in self.free:
+            where = f"free DB record of txn {txnid}"
+            if not last_txnid < txnid <= self.txnid:
+                self.bad(where, f"out of order or past the meta's txn {self.txnid}")
+                return
+            last_txnid = txnid
+            if len(value) < 8 or len(value) % 8 or _U64.unpack_from(value)[0] != len(value) // 8 - 1:
+                self.bad(where, f"{len(value)} bytes do not hold the count they start with")
+                return
+            pages = np.frombuffer(value, "<u8", offset=8).view(np.int64)
+            if pages.size and ((pages < 2).any() or (pages >= self.next_pgno).any() or (np.diff(pages) >= 0).any()):
+                self.bad(where, f"page numbers out of range or not descending (pages in use: {self.next_pgno})")
+                return
+            lists.append(pages)
+        free = np.concatenate(lists) if lists else np.zeros(0, dtype=np.int64)
+        if np.unique(free).size != free.size:
+            self.bad("free DB", "a page listed free twice")
+        elif live[free].any():
+            self.bad("free DB", f"page {int(free[live[free]][0])} listed free but in use")
 
 
 def walk(path: str, txnid_last_pg_psize: tuple[int, int, int], meta_offset: int) -> list[str]:
@@ -188,14 +233,15 @@ def walk(path: str, txnid_last_pg_psize: tuple[int, int, int], meta_offset: int)
     ``txnid_last_pg_psize`` is the newest meta page's (``datafile.newest_meta``), found at
     ``meta_offset`` in the file.
     """
-    _, last_pg, psize = txnid_last_pg_psize
+    txnid, last_pg, psize = txnid_last_pg_psize
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        w = _Walk(fd, psize, last_pg + 1, size // psize)
+        w = _Walk(fd, psize, txnid, last_pg + 1, size // psize)
         meta = os.pread(fd, MAIN_DB_AT + DB_RECORD, meta_offset)
         w.tree("free", _U64.unpack_from(meta, FREE_DB_AT + ROOT_IN_DB)[0], is_free=True)
         w.tree("main", _U64.unpack_from(meta, MAIN_DB_AT + ROOT_IN_DB)[0])
+        w.finish()
         return w.problems
     finally:
         os.close(fd)

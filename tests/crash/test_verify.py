@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import subprocess
 import sys
 
@@ -79,6 +80,27 @@ def test_verify_finds_every_log_damage(tmp_path, row):
     problems = problems_of(b.state_dir)
     assert problems, f"verify found nothing after {row.name!r}"
     assert any(p.what in ("wal", "index") for p in problems), problems
+
+
+def test_verify_reports_a_leaked_log_page_that_the_open_lets_through(tmp_path):
+    """The open's bounds walk lets a leak through (it misdirects no read); the offline check
+    runs LMDB's full verifier and names it."""
+    b = build(tmp_path)
+    path = os.path.join(b.state_dir, "wal", "data.mdb")
+    with open(path, "r+b") as f:  # the newest meta claims one more page, in neither set
+        metas = []
+        for page in (0, 1):
+            f.seek(page * 4096 + 136)
+            metas.append(struct.unpack("<QQ", f.read(16)) + (page,))
+        last_pg, _, page = max(metas, key=lambda m: m[1])
+        f.seek(page * 4096 + 136)
+        f.write(struct.pack("<Q", last_pg + 1))
+    os.truncate(path, max(os.path.getsize(path), (last_pg + 2) * 4096))
+    problems = problems_of(b.state_dir)
+    assert [p.what for p in problems] == ["wal"], problems
+    assert "LMDB structure" in problems[0].message and "neither reachable" in problems[0].message
+    assert problems[0].path == path
+    open_cache(b.state_dir, b.shm_dir).close()  # the open serves it
 
 
 def test_verify_finds_a_missing_disk_pool_file(tmp_path):

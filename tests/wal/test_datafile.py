@@ -128,6 +128,74 @@ def test_an_overflow_page_too_short_for_its_value_is_refused(state_dir, open_wal
         open_wal()
 
 
+def _free_record(state_dir: str) -> tuple[str, list[int], int, list[int], set[int]]:
+    """A log with freed pages; ``(path, offsets of a free-list record's value in the file (the
+    live one and older copies in free pages: damage them all), its txnid, its page numbers, the
+    pages the trees use)``, found by the walk itself."""
+    path = os.path.join(state_dir, "wal", "data.mdb")
+    meta, offset = max(_metas(path))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        w = pagewalk._Walk(fd, meta[2], meta[0], meta[1] + 1, os.path.getsize(path) // meta[2])
+        w.tree("free", struct.unpack_from("<Q", os.pread(fd, 136, offset), 80)[0], is_free=True)
+        w.tree("main", struct.unpack_from("<Q", os.pread(fd, 136, offset), 128)[0])
+    finally:
+        os.close(fd)
+    assert not w.problems and w.free, "the log has no free-list record to damage"
+    txnid, value = next((t, v) for t, v in w.free if len(v) <= 512)  # an in-page one
+    raw = open(path, "rb").read()
+    key = struct.pack("<Q", txnid)
+    at = []
+    start = raw.find(key + value)
+    while start >= 0:
+        at.append(start + 8)
+        start = raw.find(key + value, start + 1)
+    assert at, "the record is not in the file"
+    pages = list(struct.unpack_from(f"<{len(value) // 8 - 1}Q", value, 8))
+    return path, at, txnid, pages, w.seen
+
+
+def _log_with_freed_pages(open_wal) -> None:
+    wal = open_wal()
+    for i in range(200):
+        wal.append(Kind.COMMIT, i, 1, blob=os.urandom(150))
+    wal.flush().result(10)
+    wal.checkpoint(150, {b"k": b"v"}, {})  # deletes the records before it: their pages go free
+    wal.append(Kind.COMMIT, 999, 1, blob=b"x")
+    wal.flush().result(10)
+    wal.close()
+
+
+def test_a_page_listed_free_but_in_use_is_refused(state_dir, open_wal):
+    """LMDB allocates from the free list without looking: the open's own write transaction would
+    overwrite a page a tree still points at."""
+    _log_with_freed_pages(open_wal)
+    path, at, txnid, pages, live = _free_record(state_dir)
+    lowest = min(pages)
+    in_use = max(p for p in live if p < lowest) if any(p < lowest for p in live) else None
+    if in_use is None:
+        pytest.skip("no tree page below the free list's pages")  # not with this log's layout
+    with open(path, "r+b") as f:
+        for value_at in at:
+            f.seek(value_at + 8 * len(pages))  # the last (lowest) page number of the record
+            f.write(struct.pack("<Q", in_use))
+    with pytest.raises(WalCorruptError, match=f"page {in_use} listed free but in use"):
+        open_wal()
+
+
+def test_a_free_list_txnid_past_the_meta_is_refused(state_dir, open_wal):
+    """The bit-flip soak's SIGABRT: LMDB asserts on the free list's txnids (``mdb_freelist_save``)."""
+    _log_with_freed_pages(open_wal)
+    path, at, txnid, pages, live = _free_record(state_dir)
+    newest = newest_meta(path)[0]
+    with open(path, "r+b") as f:
+        for value_at in at:
+            f.seek(value_at - 8)
+            f.write(struct.pack("<Q", newest + 1000))
+    with pytest.raises(WalCorruptError, match=f"free DB record of txn {newest + 1000}: out of order or past"):
+        open_wal()
+
+
 def test_the_walk_and_lmdbs_own_verifier_both_pass_a_healthy_log(state_dir, open_wal):
     """The reference for the walk's page layout: on a log of in-page and overflow values, a
     checkpoint and a truncated head (free pages), py-lmdb's full verifier finds nothing either."""
