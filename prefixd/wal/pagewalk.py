@@ -49,6 +49,7 @@ ROOT_IN_DB = 40  # md_root's offset in an MDB_db
 FREE_DB_AT, MAIN_DB_AT = 40, 88  # mm_dbs[FREE_DBI], mm_dbs[MAIN_DBI] in a meta page
 MAX_DEPTH = 32  # LMDB's CURSOR_STACK: a deeper tree is damage
 MAX_PROBLEMS = 20
+LEVEL_CHUNK = 4096  # pages read and checked in one numpy pass: bounds its memory on a large log
 _U64 = struct.Struct("<Q")
 _OVERFLOW = struct.Struct("<QHHI")  # mp_pgno, mp_pad, mp_flags, mp_pages
 
@@ -109,7 +110,9 @@ class _Walk:
                     pgnos.append(pgno)
             if self.problems:
                 return
-            level = self.level(name, pgnos, is_free)
+            level = []
+            for i in range(0, len(pgnos), LEVEL_CHUNK):  # in key order: the free list's keys stay sorted
+                level += self.level(name, pgnos[i:i + LEVEL_CHUNK], is_free)
 
     def level(self, name: str, pgnos: list[int], is_free: bool) -> list[int]:
         """Check one level's pages; returns the next level's page numbers."""

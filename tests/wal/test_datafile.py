@@ -183,8 +183,11 @@ def test_a_page_listed_free_but_in_use_is_refused(state_dir, open_wal):
         open_wal()
 
 
-def test_a_free_list_txnid_past_the_meta_is_refused(state_dir, open_wal):
-    """The bit-flip soak's SIGABRT: LMDB asserts on the free list's txnids (``mdb_freelist_save``)."""
+@pytest.mark.parametrize("chunk", [pagewalk.LEVEL_CHUNK, 1], ids=["one pass a level", "a pass a page"])
+def test_a_free_list_txnid_past_the_meta_is_refused(state_dir, open_wal, monkeypatch, chunk):
+    """The bit-flip soak's SIGABRT: LMDB asserts on the free list's txnids (``mdb_freelist_save``).
+    Also with a level checked a page at a time (what bounds the walk's memory on a large log)."""
+    monkeypatch.setattr(pagewalk, "LEVEL_CHUNK", chunk)
     _log_with_freed_pages(open_wal)
     path, at, txnid, pages, live = _free_record(state_dir)
     newest = newest_meta(path)[0]
