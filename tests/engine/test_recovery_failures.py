@@ -33,6 +33,9 @@ _OPEN_FIXTURE = """
     import json, sys, time
     from prefixd.api.layout import KVLayout
     from prefixd.engine import DurableCache
+    from prefixd.wal import env
+    if sys.argv[3] == "skip-walk":  # reach the prefetch on the damaged tree, as before the walk
+        env.check_structure = lambda path, state_dir: None
     layout = KVLayout("crashverify-tiny", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16",
                       block_size=16)
     t = time.monotonic()
@@ -47,11 +50,14 @@ _OPEN_FIXTURE = """
 
 
 @pytest.mark.skipif(not FIXTURE.exists(), reason="the shared fixtures are not next to the project")
-def test_a_damaged_log_that_loops_the_prefetch_ends_in_a_typed_error(tmp_path):
+@pytest.mark.parametrize("walk", ["walk", "skip-walk"])
+def test_a_damaged_log_that_loops_the_prefetch_ends_in_a_typed_error(tmp_path, walk):
     """Regression: on this ``data.mdb`` (50 random bit flips) ``set_range`` answers with a key
     below the one asked for, so the log-prefetch thread looped forever, while recovery, having
     raised WalCorruptError on the checkpoint, joined that thread in a ``finally``: the open
-    hung instead of raising."""
+    hung instead of raising. The open's bounds walk now refuses this file first (a page that
+    stores another page number); ``skip-walk`` takes the walk out so the prefetch's own bound
+    stays tested."""
     state, shm = tmp_path / "state", tmp_path / "shm"
     (state / "wal").mkdir(parents=True)
     shm.mkdir()
@@ -59,7 +65,7 @@ def test_a_damaged_log_that_loops_the_prefetch_ends_in_a_typed_error(tmp_path):
         shutil.copyfileobj(src, dst)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     try:
-        child = subprocess.run([sys.executable, "-c", textwrap.dedent(_OPEN_FIXTURE), str(state), str(shm)],
+        child = subprocess.run([sys.executable, "-c", textwrap.dedent(_OPEN_FIXTURE), str(state), str(shm), walk],
                                env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
         pytest.fail("opening the damaged state directory hung (killed after 120 s)")
@@ -67,6 +73,7 @@ def test_a_damaged_log_that_loops_the_prefetch_ends_in_a_typed_error(tmp_path):
     got = json.loads(child.stdout.strip().splitlines()[-1])
     assert "prefixd.wal.errors.WalCorruptError" in got.get("error", []), got
     assert "corrupt write-ahead log" in got["message"], got
+    assert ("fails the structural check" in got["message"]) == (walk == "walk"), got
 
 
 # -- resources left behind by a refused recovery ------------------------------------------------------
