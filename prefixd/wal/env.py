@@ -23,7 +23,7 @@ from typing import TypeVar
 
 import lmdb
 
-from prefixd.wal.datafile import check_data_file, check_structure
+from prefixd.wal.datafile import check_structure, pad_data_file
 from prefixd.wal.errors import EnvAlreadyOpenError, ForkedEnvError, WalCorruptError, WalError
 
 log = logging.getLogger(__name__)
@@ -122,9 +122,9 @@ class WalEnv:
 
         Raises:
             EnvAlreadyOpenError: this process already has it open.
-            WalCorruptError: ``data.mdb`` is shorter than its meta page says (truncated), fails
-                the structural walk (``check_structure``), or LMDB finds it is not an LMDB file of
-                its version (a damaged meta page).
+            WalCorruptError: ``data.mdb`` fails the walk of its pages (``check_structure``: a
+                truncated file, a damaged page), or LMDB finds it is not an LMDB file of its
+                version (a damaged meta page).
             lmdb.Error: LMDB could not open the files.
         """
         self.state_dir = os.path.realpath(state_dir)
@@ -138,8 +138,8 @@ class WalEnv:
             path = os.path.join(self.state_dir, ENV_DIR)
             os.makedirs(path, mode=0o750, exist_ok=True)
             data = os.path.join(path, "data.mdb")
-            check_data_file(data, self.state_dir)  # a SIGBUS otherwise
-            check_structure(data, self.state_dir)  # ... and here too (datafile's docstring)
+            check_structure(data, self.state_dir)  # a SIGBUS otherwise (datafile's docstring)
+            pad_data_file(data)  # after the walk: the padding would hide a truncation from it
             try:
                 self.env = lmdb.open(
                     path, map_size=map_size, subdir=True, max_dbs=MAX_DBS, sync=sync, metasync=True,

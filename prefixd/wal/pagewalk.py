@@ -1,9 +1,10 @@
 """A bounds walk of LMDB's data file before it is mapped: no read through the map may leave the file.
 
-LMDB checks a page number against the last page in use, and ``datafile.check_data_file``
-checks the file reaches that page and pads it 256 KiB past it (which covers every 16-bit
-offset and size inside a page). What is left are the sizes LMDB trusts without a bound:
+LMDB checks a page number against the last page in use, but not against the file: a file cut
+short (a bad restore, a copy cut short) still has valid meta pages, and the first read of a page
+past its end is a SIGBUS. Nor does it bound what it reads inside a page or from a size:
 
+- a node's 16-bit offset and a key's size (up to 64 KiB past a page);
 - a value's 32-bit size. py-lmdb touches one byte of every page of a value as it hands the
   value out (its ``preload``), before any of our code sees it, so a size grown by a flipped bit
   is a SIGBUS inside ``iternext`` (the bit-flip soak, 1 of 5,280 trials);
@@ -13,8 +14,9 @@ offset and size inside a page). What is left are the sizes LMDB trusts without a
   it), its txnid keys (LMDB asserts on their order: a SIGABRT).
 
 ``walk`` reads every page reachable from the newest meta page with ``pread`` (never the map), a
-tree level at a time, and checks those bounds, page kinds, page numbers (each page stores its
-own), cycles and depth, with numpy over all of a level's node headers at once; then the free
+tree level at a time, and checks those bounds, that every page a tree uses is in the file (a
+sound file may end before the last page: pages allocated and freed in one transaction go to the
+free list unwritten), page kinds, page numbers (each page stores its own), cycles and depth, with numpy over all of a level's node headers at once; then the free
 list against the pages the trees use (``_Walk.finish``). It checks no key order (but the free
 list's) and no counters: a damaged order or count makes LMDB or the records' checksums refuse
 the file, typed; a read past the file or one of LMDB's assertions kills the process.
@@ -78,9 +80,12 @@ class _Walk:
     checkpoint's load together.
     """
 
-    def __init__(self, fd: int, psize: int, txnid: int, next_pgno: int, file_pages: int) -> None:
-        self.fd, self.psize, self.txnid = fd, psize, txnid
-        self.next_pgno = min(next_pgno, file_pages)  # check_data_file refused a shorter file
+    def __init__(self, fd: int, psize: int, txnid: int, next_pgno: int, file_size: int, path: str = "data.mdb") -> None:
+        self.fd, self.psize, self.txnid, self.path = fd, psize, txnid, path
+        self.next_pgno = next_pgno  # pages [2, next_pgno) are in a tree or free
+        # NOTE: a sound file may end before next_pgno: pages LMDB allocated and freed in one
+        # transaction go to the free list unwritten. Only pages a tree uses must be in the file.
+        self.file_size, self.file_pages = file_size, file_size // psize
         self.problems: list[str] = []
         self.seen: set[int] = set()  # tree pages reached
         self.overflows: list[tuple[int, int]] = []  # (first page, pages) of every big value
@@ -92,6 +97,15 @@ class _Walk:
 
     def in_range(self, pgno: int, npages: int = 1) -> bool:
         return 2 <= pgno and pgno + npages <= self.next_pgno
+
+    def in_file(self, where: str, pgno: int, npages: int = 1) -> bool:
+        """True when pages [pgno, +npages) are in the file; else a finding (a truncated file)."""
+        if pgno + npages <= self.file_pages:
+            return True
+        self.bad(where, f"{self.path} is {self.file_size} bytes, but pages [{pgno}, +{npages}) of "
+                        f"{self.psize} bytes are in use past its end: the file was truncated; restore it "
+                        f"or move the state directory away")
+        return False
 
     def tree(self, name: str, root: int, is_free: bool = False) -> None:
         """Walk one B-tree from ``root``, a level at a time."""
@@ -107,7 +121,7 @@ class _Walk:
                     self.bad(f"{name} DB page {pgno}", f"out of range (pages in use: {self.next_pgno})")
                 elif pgno in self.seen:
                     self.bad(f"{name} DB page {pgno}", "reached twice (a cycle or a shared page)")
-                else:
+                elif self.in_file(f"{name} DB page {pgno}", pgno):
                     self.seen.add(pgno)
                     pgnos.append(pgno)
             if self.problems:
@@ -188,6 +202,8 @@ class _Walk:
             self.bad(where, f"a value of {size} bytes on pages [{pgno}, +{npages}) past the pages in use "
                             f"({self.next_pgno})")
             return None
+        if not self.in_file(where, pgno, npages):
+            return None
         stored, _, flags, pages = _OVERFLOW.unpack_from(os.pread(self.fd, _OVERFLOW.size, pgno * self.psize))
         if stored != pgno or not flags & P_OVERFLOW or pages < npages:
             self.bad(where, f"overflow page {pgno} (page number {stored}, flags {flags:#x}, {pages} pages) "
@@ -241,8 +257,7 @@ def walk(path: str, txnid_last_pg_psize: tuple[int, int, int], meta_offset: int)
     txnid, last_pg, psize = txnid_last_pg_psize
     fd = os.open(path, os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
-        w = _Walk(fd, psize, txnid, last_pg + 1, size // psize)
+        w = _Walk(fd, psize, txnid, last_pg + 1, os.fstat(fd).st_size, path)
         meta = os.pread(fd, MAIN_DB_AT + DB_RECORD, meta_offset)
         w.tree("free", _U64.unpack_from(meta, FREE_DB_AT + ROOT_IN_DB)[0], is_free=True)
         w.tree("main", _U64.unpack_from(meta, MAIN_DB_AT + ROOT_IN_DB)[0])

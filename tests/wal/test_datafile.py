@@ -136,7 +136,7 @@ def _free_record(state_dir: str) -> tuple[str, list[int], int, list[int], set[in
     meta, offset = max(_metas(path))
     fd = os.open(path, os.O_RDONLY)
     try:
-        w = pagewalk._Walk(fd, meta[2], meta[0], meta[1] + 1, os.path.getsize(path) // meta[2])
+        w = pagewalk._Walk(fd, meta[2], meta[0], meta[1] + 1, os.path.getsize(path))
         w.tree("free", struct.unpack_from("<Q", os.pread(fd, 136, offset), 80)[0], is_free=True)
         w.tree("main", struct.unpack_from("<Q", os.pread(fd, 136, offset), 128)[0])
     finally:
@@ -244,3 +244,62 @@ def test_a_walk_that_cannot_finish_is_a_typed_refusal(state_dir, open_wal, monke
     monkeypatch.setattr(pagewalk, "walk", broken)
     with pytest.raises(WalCorruptError, match="structural check: the walk stopped: error: unpack"):
         open_wal()
+
+
+def _random_env(path, seed: int) -> None:
+    """An LMDB environment of every shape the log takes: in-page, overflow and empty values,
+    pages freed by deletes, several named databases, many transactions."""
+    import random
+
+    import lmdb
+
+    rng = random.Random(seed)
+    env = lmdb.open(str(path), max_dbs=4, map_size=1 << 30)
+    dbs = [env.open_db(name) for name in (b"log", b"index", b"seqs")]
+    keys: list[tuple[int, bytes]] = []
+    for _ in range(rng.randrange(5, 40)):
+        with env.begin(write=True) as txn:
+            for _ in range(rng.randrange(1, 60)):
+                db = rng.randrange(len(dbs))
+                key = rng.randbytes(rng.choice((8, 8, 16, rng.randrange(1, 200))))
+                size = rng.choice((0, 10, 300, 2000, 4000, 9000, rng.randrange(70000)))
+                txn.put(key, rng.randbytes(size), db=dbs[db])
+                keys.append((db, key))
+            for _ in range(rng.randrange(0, 40)):
+                if keys:
+                    db, key = keys.pop(rng.randrange(len(keys)))
+                    txn.delete(key, db=dbs[db])
+    env.close()
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_walk_passes_every_healthy_file_lmdbs_verifier_passes(tmp_path, seed):
+    """Guards against the walk refusing a sound log (a cache thrown away for nothing): random
+    environments (``_random_env``), each passed by ``lmdb.verify`` too."""
+    _random_env(tmp_path / "env", seed)
+    data = str(tmp_path / "env" / "data.mdb")
+    assert lmdb_verify.verify(data, subdir=False) == []
+    meta, offset = max(_metas(data))
+    assert pagewalk.walk(data, meta, offset) == []
+
+
+def test_a_sound_file_that_ends_before_its_last_page_opens(tmp_path):
+    """Regression: pages LMDB allocates and frees in one transaction go to the free list
+    unwritten, so a sound ``data.mdb`` can end before the last page its meta names (seed 2:
+    262 pages of 273). The open refused such a file as truncated; it must open, and a cut that
+    removes pages a tree uses must still be refused as one."""
+    from prefixd.wal.env import WalEnv
+
+    wal_dir = tmp_path / "state" / "wal"
+    wal_dir.mkdir(parents=True)
+    _random_env(wal_dir, 2)
+    data = str(wal_dir / "data.mdb")
+    txnid, last_pg, psize = newest_meta(data)
+    size = os.path.getsize(data)
+    assert size < (last_pg + 1) * psize, "the precondition: the file ends before its last page"
+    wenv = WalEnv(str(tmp_path / "state"), sync=True)
+    wenv.close()
+    assert os.path.getsize(data) >= (last_pg + 1) * psize  # padded over the unwritten pages
+    os.truncate(data, size // 2)
+    with pytest.raises(WalCorruptError, match=r"data\.mdb is \d+ bytes, but pages .* past its end: the file was truncated"):
+        WalEnv(str(tmp_path / "state"), sync=True)
