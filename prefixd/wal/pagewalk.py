@@ -16,10 +16,11 @@ past its end is a SIGBUS. Nor does it bound what it reads inside a page or from 
 ``walk`` reads every page reachable from the newest meta page with ``pread`` (never the map), a
 tree level at a time, and checks those bounds, that every page a tree uses is in the file (a
 sound file may end before the last page: pages allocated and freed in one transaction go to the
-free list unwritten), page kinds, page numbers (each page stores its own), cycles and depth, with numpy over all of a level's node headers at once; then the free
-list against the pages the trees use (``_Walk.finish``). It checks no key order (but the free
-list's) and no counters: a damaged order or count makes LMDB or the records' checksums refuse
-the file, typed; a read past the file or one of LMDB's assertions kills the process.
+free list unwritten), page kinds, page numbers (each page stores its own), cycles and depth,
+with numpy over all of a level's node headers at once; then the free list against the pages the
+trees use (``_Walk.finish``). It checks no key order (but the free list's) and no counters: a
+damaged order or count makes LMDB or the records' checksums refuse the file, typed; a read past
+the file or one of LMDB's assertions kills the process.
 
 ``lmdb.verify`` (py-lmdb's full offline verifier) checks all of that too, but took 4-8x as long
 on a 1M-block state (0.19-0.29 s against 30-60 ms, warm), which added 0.2 s to a 0.5 s cold
@@ -80,7 +81,8 @@ class _Walk:
     checkpoint's load together.
     """
 
-    def __init__(self, fd: int, psize: int, txnid: int, next_pgno: int, file_size: int, path: str = "data.mdb") -> None:
+    def __init__(self, fd: int, psize: int, txnid: int, next_pgno: int, file_size: int,
+                 path: str = "data.mdb") -> None:
         self.fd, self.psize, self.txnid, self.path = fd, psize, txnid, path
         self.next_pgno = next_pgno  # pages [2, next_pgno) are in a tree or free
         # NOTE: a sound file may end before next_pgno: pages LMDB allocated and freed in one
