@@ -9,6 +9,8 @@ past its end is a SIGBUS. Nor does it bound what it reads inside a page or from 
   value out (its ``preload``), before any of our code sees it, so a size grown by a flipped bit
   is a SIGBUS inside ``iternext`` (the bit-flip soak, 1 of 5,280 trials);
 - an overflow value's first page number and length, and the overflow page's own page count;
+- the databases' flags, which LMDB takes from the file (a flipped duplicate-sort flag fails an
+  assertion: a SIGABRT);
 - the free list: a record's entry count (LMDB copies that many page numbers when it allocates),
   its page numbers (a page listed free but in use is overwritten under a tree that points at
   it), its txnid keys (LMDB asserts on their order: a SIGABRT).
@@ -51,6 +53,10 @@ PAGE_HEADER = 16
 NODE_HEADER = 8
 DB_RECORD = 48  # sizeof(MDB_db)
 ROOT_IN_DB = 40  # md_root's offset in an MDB_db
+FLAGS_IN_DB = 4  # md_flags' offset in an MDB_db (u16)
+# the flags LMDB writes for the free DB (MDB_INTEGERKEY), the main DB and prefixd's named DBs:
+# LMDB takes them from the file, and a flipped MDB_DUPSORT fails an assertion (a SIGABRT)
+FREE_DB_FLAGS, MAIN_DB_FLAGS, NAMED_DB_FLAGS = 0x08, 0x00, 0x00
 FREE_DB_AT, MAIN_DB_AT = 40, 88  # mm_dbs[FREE_DBI], mm_dbs[MAIN_DBI] in a meta page
 MAX_DEPTH = 32  # LMDB's CURSOR_STACK: a deeper tree is damage
 MAX_PROBLEMS = 20
@@ -189,6 +195,9 @@ class _Walk:
             key = bytes(flat[start - int(ksize[i]):start]).decode("ascii", "replace")
             if big[i] or int(size[i]) != DB_RECORD:
                 self.bad(f"{name} DB page {pgnos[page[i]]}", f"the record of database {key!r} is {int(size[i])} bytes")
+            elif (flags := int(_u16(flat, np.array([start + FLAGS_IN_DB]))[0])) != NAMED_DB_FLAGS:
+                self.bad(f"{name} DB page {pgnos[page[i]]}", f"database {key!r} has flags {flags:#x}, "
+                                                             f"not {NAMED_DB_FLAGS:#x}")
             else:
                 self.tree(f"{name}/{key}", _U64.unpack_from(flat, start + ROOT_IN_DB)[0])
         return [int(c) for c in children]
@@ -261,6 +270,12 @@ def walk(path: str, txnid_last_pg_psize: tuple[int, int, int], meta_offset: int)
     try:
         w = _Walk(fd, psize, txnid, last_pg + 1, os.fstat(fd).st_size, path)
         meta = os.pread(fd, MAIN_DB_AT + DB_RECORD, meta_offset)
+        for what, at, want in (("free", FREE_DB_AT, FREE_DB_FLAGS), ("main", MAIN_DB_AT, MAIN_DB_FLAGS)):
+            (got,) = struct.unpack_from("<H", meta, at + FLAGS_IN_DB)
+            if got != want:
+                w.bad(f"the meta page at {meta_offset}", f"the {what} DB has flags {got:#x}, not {want:#x}")
+        if w.problems:
+            return w.problems
         w.tree("free", _U64.unpack_from(meta, FREE_DB_AT + ROOT_IN_DB)[0], is_free=True)
         w.tree("main", _U64.unpack_from(meta, MAIN_DB_AT + ROOT_IN_DB)[0])
         w.finish()

@@ -235,6 +235,21 @@ def test_a_leaked_page_is_not_refused(state_dir, open_wal):
     wal.close()
 
 
+def test_a_duplicate_sort_flag_on_the_free_db_is_refused(state_dir, open_wal):
+    """The bit-flip soak's second SIGABRT (1 in 3,600 trials): a flipped bit made the meta's
+    free DB duplicate-sorted, and LMDB asserted in ``mdb_cursor_init`` at the open."""
+    _write_log(open_wal, 200, n=3)
+    path = os.path.join(state_dir, "wal", "data.mdb")
+    with open(path, "r+b") as f:
+        for offset in (0, 4096):  # both meta pages: the newest is the one LMDB reads
+            f.seek(offset + pagewalk.FREE_DB_AT + pagewalk.FLAGS_IN_DB)
+            f.write(struct.pack("<H", pagewalk.FREE_DB_FLAGS | 0x04))
+    with pytest.raises(WalCorruptError, match="the free DB has flags 0xc, not 0x8"):
+        open_wal()
+    out = run_child(REPLAY_CHILD.format(state=state_dir, skip_walk=True))  # the control
+    assert out.returncode == -signal.SIGABRT, (out.returncode, out.stdout, out.stderr[-800:])
+
+
 def test_a_walk_that_cannot_finish_is_a_typed_refusal(state_dir, open_wal, monkeypatch):
     _write_log(open_wal, 200, n=3)
 
