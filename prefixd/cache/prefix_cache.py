@@ -14,6 +14,7 @@ from prefixd.cache.node import DEVICE, Node
 from prefixd.cache.policy import make_policy
 from prefixd.cache.radix import RadixTree
 from prefixd.cache.sequence import Sequence
+from prefixd.cache.shared_tails import SharedTails
 from prefixd.cache.stats import CacheStats  # noqa: F401 (re-exported)
 from prefixd.cache.allocation import Allocation
 from prefixd.storage.slots import SlotAllocator
@@ -24,7 +25,7 @@ class PrefixCache:
 
     Device slots are owned by exactly one of: the free list, the index (a node's device run), a
     sequence (its private tail and its dup slots). A partial last block may be shared by forked
-    siblings; ``_shared_tail`` counts its references (only while more than one).
+    siblings; ``_shared_tail`` (``SharedTails``) counts its references (only while more than one).
 
     Every change appends a typed event (``prefixd.cache.events``) for the WAL; callers drain
     them with ``drain_events``. Hashes are computed only for blocks newly indexed at commit; a
@@ -73,7 +74,7 @@ class PrefixCache:
         self.events: list = []
         self.allocation = Allocation(self)
         self._seqs: dict[int, Sequence] = {}
-        self._shared_tail: dict[int, int] = {}
+        self._shared_tail = SharedTails()
         self._next_id = 1
 
     # -- queries -------------------------------------------------------------------------
@@ -290,8 +291,7 @@ class PrefixCache:
             self._seqs[child_id] = child
             children.append(child)
         if len(seq.block_table) > seq.num_indexed:
-            tail = seq.block_table[-1]
-            self._shared_tail[tail] = self._shared_tail.get(tail, 1) + num_children
+            self._shared_tail.share(seq.block_table[-1], num_children)
         self.events.append(ev.SeqForked(seq_id, tuple(c.id for c in children)))
         return children
 
@@ -310,7 +310,7 @@ class PrefixCache:
         owned = seq.block_table[seq.num_indexed:]
         shared = self._shared_tail
         if owned and shared and owned[-1] in shared:
-            self._unshare(owned.pop())
+            shared.drop(owned.pop())
         if seq.dup_slots:
             owned += seq.dup_slots
         self.device.free(owned)
@@ -386,16 +386,9 @@ class PrefixCache:
         if self.data is not None:
             self.data.copy_within(DEVICE, [old_slot], [new_slot])
         seq.block_table[-1] = new_slot
-        self._unshare(old_slot)
+        self._shared_tail.drop(old_slot)
         self.stats.cow_blocks += 1
         self.events.append(ev.BlockCopied(seq.id, old_slot, new_slot))
-
-    def _unshare(self, slot: int) -> None:
-        count = self._shared_tail[slot] - 1
-        if count > 1:
-            self._shared_tail[slot] = count
-        else:
-            del self._shared_tail[slot]
 
     def check_invariants(self, extra_locks=()) -> None:
         """Full consistency check (tests call it after every step; never the hot path).
