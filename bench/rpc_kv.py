@@ -4,8 +4,9 @@ alternating repetitions so that the host's noise lands on both.
 - KV: write then read of a 2k-token prefix's KV (``[num_layers, 2, 2048, num_kv_heads,
   head_dim]``) of a sequence whose blocks are all private, through the mapped pool
   (``connect(..., mapped=True)``) and through ``WriteKV``/``ReadKV`` (``mapped=False``).
-  Floors: ``memcpy``: ``dst.copy_(kv)`` then ``dst.clone()`` (a write into memory that exists
-  and a read into a new tensor, as ``write_kv`` / ``read_kv`` do); ``grpc_bytes``: an upload of
+  Floors: ``memcpy``: the bytes into a tensor that exists, then out of it into a new tensor
+  (as ``write_kv`` / ``read_kv`` do; both tensors torch's, as the client's are), each copy one
+  ``np.copyto`` over the tensors' memory (glibc's ``memcpy``, in this thread); ``grpc_bytes``: an upload of
   the WriteKV messages' byte sizes then a download of the ReadKV messages', chunked as the
   client and the daemon chunk them, through the bare echo server. GB/s count both directions
   (2 x the prefix's bytes per repetition).
@@ -30,13 +31,13 @@ from prefixd.kernels import layer_kv, paged_attention, write_kv
 from prefixd.tools.workloads import VOCAB
 
 PREFIX_TOKENS = 2048
-# NOTE (the memcpy floor's OpenMP team spins after each copy): torch's copy_ / clone split the
-# floor's copies over its OpenMP team (libgomp), whose workers then busy-wait (GOMP_SPINCOUNT)
-# for their next task: measured 5-10 ms of a core within 20 ms of each memcpy repetition on the
-# 2-core dev host. Timed right after it, the rpc repetition ran on what the spinner left of the
-# second core: 8 ms slower (32.6 against 25.7 ms, the same rpc after the echo instead). So the
-# floor's repetition is followed by an untimed pause; what each run times is unchanged.
-OMP_SETTLE_S = 0.05
+# NOTE (the memcpy floor is numpy's, not torch's): torch's ``copy_`` / ``clone`` split a copy
+# this size over its OpenMP team, whose workers sleep between the repetitions and wait on each
+# other at a barrier: on the 2-core dev host the same 4 MiB took 0.55 ms at best and 3.6-10 ms
+# at the median, run to run (0.4 to 5.9 ms medians in three runs of this section), so the ratio
+# measured the team's wake-ups. numpy's copies are one memcpy each in the calling thread
+# (0.60-0.90 ms the pair at the median in three runs), as the mapped path's own copies are
+# (``prefixd.kernels.token_io``).
 ATTEND_SEQS = 16
 Q_HEADS_PER_KV_HEAD = 4
 
@@ -89,7 +90,8 @@ def kv_section(mapped, remote, echo, reps: int) -> dict:
 
     up = [bytes(n) for n in message_sizes(up_tokens, lambda c: pb.WriteKVRequest(session_id=1 << 62, chunk=c))]
     down = message_sizes(down_tokens, lambda c: pb.ReadKVReply(chunk=c))
-    dst = torch.empty_like(kv)
+    src = kv.numpy()
+    dst = torch.empty_like(kv).numpy()
     clock = time.perf_counter_ns
     times = {"mapped": [], "rpc": [], "memcpy": [], "grpc_bytes": []}
 
@@ -102,8 +104,10 @@ def kv_section(mapped, remote, echo, reps: int) -> dict:
         return remote.read_kv(seqs["rpc"], 0, PREFIX_TOKENS)
 
     def memcpy_rep():
-        dst.copy_(kv)
-        return dst.clone()
+        np.copyto(dst, src)
+        out = torch.empty_like(kv)
+        np.copyto(out.numpy(), dst)
+        return out
 
     def grpc_rep():
         echo.upload(up)
@@ -119,8 +123,6 @@ def kv_section(mapped, remote, echo, reps: int) -> dict:
             t0 = clock()
             fn()
             times[name].append(clock() - t0)
-            if name == "memcpy":
-                time.sleep(OMP_SETTLE_S)  # untimed: see OMP_SETTLE_S
     for name, s in (("mapped", mapped), ("rpc", remote)):
         s.release(seqs[name])
     moved = 2 * nbytes
