@@ -12,6 +12,7 @@ a 64-bit little-endian host: a 16-byte page header, then ``MDB_meta``::
 
     offset 16   mm_magic   u32   0xBEEFC0DE
     offset 20   mm_version u32   1
+    offset 32   mm_mapsize u64   the map size when this meta page was written
     offset 40   mm_dbs[0].md_pad u32   the page size (LMDB keeps it in the free DB's pad)
     offset 136  mm_last_pg u64   the last page in use
     offset 144  mm_txnid   u64   the transaction that wrote this meta page
@@ -40,6 +41,7 @@ DATA_VERSION = 1
 _HEAD = struct.Struct("<II")  # mm_magic, mm_version at offset 16
 _PSIZE = struct.Struct("<I")  # mm_dbs[FREE_DBI].md_pad at offset 40
 _TAIL = struct.Struct("<QQ")  # mm_last_pg, mm_txnid at offset 136
+_MAPSIZE = struct.Struct("<Q")  # mm_mapsize at offset 32
 SHOWN_PROBLEMS = 3  # how many of the walk's findings an error names
 
 
@@ -99,21 +101,48 @@ def pad_data_file(path: str) -> None:
             pass
 
 
-def check_structure(path: str, state_dir: str) -> None:
+def meta_problems(path: str, meta: tuple[int, int, int], offset: int, max_map_size: int | None) -> list[str]:
+    """What is wrong with the newest meta page's last page number, at ``offset`` of ``path``.
+
+    LMDB allocates pages only inside its map and writes the map's size into each meta page it
+    commits, so ``(mm_last_pg + 1) * page size <= mm_mapsize`` in every meta page it wrote; and
+    the log never grows its map past ``max_map_size``. A flipped high bit of ``mm_last_pg``
+    breaks both, and LMDB believes it: it maps that many bytes (a 64 TiB map in the bit-flip
+    soak, past the log's 1 TiB ceiling), the padding would extend the file to match (a sparse
+    file that large where the filesystem allows one), and the next commit writes its pages
+    there. Not checked: ``mm_mapsize`` alone, which LMDB ignores when the opener names a map
+    size (the log always does) and rewrites at the next commit."""
+    _, last_pg, psize = meta
+    with open(path, "rb") as f:
+        f.seek(offset + 32)
+        (mapsize,) = _MAPSIZE.unpack(f.read(8))
+    need = (last_pg + 1) * psize
+    problems = []
+    if need > mapsize:
+        problems.append(f"the newest meta page names page {last_pg} as its last, {need} bytes, past "
+                        f"the {mapsize}-byte map it was written with")
+    if max_map_size is not None and need > max_map_size:
+        problems.append(f"the newest meta page names page {last_pg} as its last, {need} bytes, past "
+                        f"the log's largest map ({max_map_size} bytes)")
+    return problems
+
+
+def check_structure(path: str, state_dir: str, max_map_size: int | None = None) -> None:
     """Refuse ``path`` (an LMDB ``data.mdb``, not yet mapped) if a read through LMDB could leave
-    the file: ``pagewalk.walk`` from the newest meta page. A file that is absent or not of the
-    known layout is left to LMDB, as in ``pad_data_file``.
+    the file, or its map could pass ``max_map_size``: ``meta_problems``, then ``pagewalk.walk``
+    from the newest meta page. A file that is absent or not of the known layout is left to
+    LMDB, as in ``pad_data_file``.
 
     Raises:
-        WalCorruptError: the walk found damage, or could not finish (lsn -1: no record can be
-            named), with its first findings.
+        WalCorruptError: the newest meta page's last page is out of bounds, or the walk found
+            damage or could not finish (lsn -1: no record can be named), with the first findings.
     """
     metas = _metas(path)
     if not metas:
         return
     meta, offset = max(metas)
     try:
-        problems = pagewalk.walk(path, meta, offset)
+        problems = meta_problems(path, meta, offset, max_map_size) or pagewalk.walk(path, meta, offset)
     except Exception as exc:  # noqa: BLE001 - a walk that cannot finish vouches for nothing
         problems = [f"the walk stopped: {type(exc).__name__}: {exc}"]
     if problems:

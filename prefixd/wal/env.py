@@ -138,7 +138,7 @@ class WalEnv:
             path = os.path.join(self.state_dir, ENV_DIR)
             os.makedirs(path, mode=0o750, exist_ok=True)
             data = os.path.join(path, "data.mdb")
-            check_structure(data, self.state_dir)  # a SIGBUS otherwise (datafile's docstring)
+            check_structure(data, self.state_dir, max_map_size)  # a SIGBUS otherwise (datafile's docstring)
             pad_data_file(data)  # after the walk: the padding would hide a truncation from it
             try:
                 self.env = lmdb.open(

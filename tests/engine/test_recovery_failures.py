@@ -35,7 +35,7 @@ _OPEN_FIXTURE = """
     from prefixd.engine import DurableCache
     from prefixd.wal import env
     if sys.argv[3] == "skip-walk":  # reach the prefetch on the damaged tree, as before the walk
-        env.check_structure = lambda path, state_dir: None
+        env.check_structure = lambda path, state_dir, max_map_size=None: None
     layout = KVLayout("crashverify-tiny", num_layers=2, num_kv_heads=1, head_dim=8, dtype="float16",
                       block_size=16)
     t = time.monotonic()

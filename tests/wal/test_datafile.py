@@ -17,7 +17,9 @@ import pytest
 from lmdb import verify as lmdb_verify
 
 from prefixd.wal import Kind, WalCorruptError, pagewalk
-from prefixd.wal.datafile import _metas, newest_meta
+from prefixd.wal import datafile
+from prefixd.wal.datafile import _metas, meta_problems, newest_meta
+from prefixd.wal.env import MAX_MAP_SIZE, WalEnv
 
 from .conftest import raw_env, run_child
 
@@ -82,7 +84,7 @@ import sys
 from prefixd.wal import Wal, WalCorruptError
 from prefixd.wal import env
 if {skip_walk}:
-    env.check_structure = lambda path, state_dir: None  # the reader without the walk
+    env.check_structure = lambda path, state_dir, max_map_size=None: None  # the reader without the walk
 try:
     with Wal({state!r}, layouts=b"layout-v1") as wal:
         print("replayed", sum(1 for _ in wal.replay()))
@@ -296,6 +298,72 @@ def test_the_walk_passes_every_healthy_file_lmdbs_verifier_passes(tmp_path, seed
     assert lmdb_verify.verify(data, subdir=False) == []
     meta, offset = max(_metas(data))
     assert pagewalk.walk(data, meta, offset) == []
+    assert meta_problems(data, meta, offset, MAX_MAP_SIZE) == []
+
+
+def _set_newest_last_pg(path: str, last_pg: int) -> None:
+    txnid = newest_meta(path)[0]
+    with open(path, "r+b") as f:
+        for page in (0, 1):
+            f.seek(page * 4096 + META_LAST_PG)
+            if struct.unpack("<QQ", f.read(16))[1] == txnid:
+                f.seek(page * 4096 + META_LAST_PG)
+                f.write(struct.pack("<Q", last_pg))
+
+
+def test_a_last_page_past_the_map_its_meta_was_written_with_is_refused(state_dir, open_wal, monkeypatch):
+    """The bit-flip soak's 1 in 6,000 (seed 56,984): a flipped high bit of the newest meta's
+    last page number. LMDB believed it: it mapped that much (64 TiB), past the log's ceiling,
+    and the padding grows the file to match. Now refused before the padding, typed; the
+    control (the check skipped) opens with the file grown past the map LMDB itself wrote."""
+    _write_log(open_wal, 200, n=5)
+    data = os.path.join(state_dir, "wal", "data.mdb")
+    _, last_pg, psize = newest_meta(data)
+    _set_newest_last_pg(data, last_pg | 1 << 18)  # 1 GiB of pages more: past the 1 GiB map
+    size = os.path.getsize(data)
+    with pytest.raises(WalCorruptError, match=r"names page \d+ as its last, \d+ bytes, past the 1073741824-byte map"):
+        WalEnv(state_dir, sync=True)
+    assert os.path.getsize(data) == size, "the refused file must be left as it was"
+    monkeypatch.setattr(datafile, "meta_problems", lambda *args: [])  # the control
+    wenv = WalEnv(state_dir, sync=True)
+    try:
+        assert wenv.map_size > 1 << 30 and os.path.getsize(data) > 1 << 30
+    finally:
+        wenv.close()
+
+
+def test_a_last_page_past_the_logs_largest_map_is_refused(state_dir, open_wal, monkeypatch):
+    """The log never grows its map past ``max_map_size``, so a last page beyond it is damage
+    even inside the map the meta page names; the control opens past the ceiling, which the
+    environment's invariants then catch (the soak's symptom: ``map_size <= max_map_size``)."""
+    _write_log(open_wal, 200, n=5)
+    data = os.path.join(state_dir, "wal", "data.mdb")
+    _set_newest_last_pg(data, (128 << 20) // 4096)  # 128 MiB: inside the 1 GiB map
+    with pytest.raises(WalCorruptError, match=r"past the log's largest map \(67108864 bytes\)"):
+        WalEnv(state_dir, sync=True, map_size=32 << 20, max_map_size=64 << 20)
+    monkeypatch.setattr(datafile, "meta_problems", lambda *args: [])  # the control
+    wenv = WalEnv(state_dir, sync=True, map_size=32 << 20, max_map_size=64 << 20)
+    try:
+        with pytest.raises(AssertionError):
+            wenv.check_invariants()
+    finally:
+        wenv.close()
+
+
+def test_a_map_grown_then_reopened_smaller_passes_the_meta_check(state_dir):
+    """Guards the meta check against refusing a sound log: a map that grew (its meta pages say
+    the grown size), reopened at the default size, opens."""
+    wenv = WalEnv(state_dir, sync=False, map_size=1 << 20, max_map_size=64 << 20)
+    try:
+        for i in range(40):
+            wenv.write(lambda txn, i=i: txn.put(b"%08d" % i, os.urandom(60000), db=wenv.log))
+        assert wenv.num_map_grows > 0
+    finally:
+        wenv.close()
+    data = os.path.join(state_dir, "wal", "data.mdb")
+    meta, offset = max(_metas(data))
+    assert meta_problems(data, meta, offset, 64 << 20) == []
+    WalEnv(state_dir, sync=False, map_size=1 << 20, max_map_size=64 << 20).close()
 
 
 def test_a_sound_file_that_ends_before_its_last_page_opens(tmp_path):
