@@ -123,7 +123,8 @@ class WalEnv:
         Raises:
             EnvAlreadyOpenError: this process already has it open.
             WalCorruptError: ``data.mdb`` fails the walk of its pages (``check_structure``: a
-                truncated file, a damaged page), or LMDB finds it is not an LMDB file of its
+                truncated file, a damaged page, a newest meta page whose last page lies past
+                its map or ``max_map_size``), or LMDB finds it is not an LMDB file of its
                 version (a damaged meta page).
             lmdb.Error: LMDB could not open the files.
         """
