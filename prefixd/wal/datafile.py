@@ -121,7 +121,7 @@ def meta_problems(path: str, meta: tuple[int, int, int], offset: int, max_map_si
     if need > mapsize:
         problems.append(f"the newest meta page names page {last_pg} as its last, {need} bytes, past "
                         f"the {mapsize}-byte map it was written with")
-    if max_map_size is not None and need > max_map_size:
+    elif max_map_size is not None and need > max_map_size:
         problems.append(f"the newest meta page names page {last_pg} as its last, {need} bytes, past "
                         f"the log's largest map ({max_map_size} bytes)")
     return problems

@@ -302,17 +302,17 @@ def test_the_walk_passes_every_healthy_file_lmdbs_verifier_passes(tmp_path, seed
 
 
 def _set_newest_last_pg(path: str, last_pg: int) -> None:
-    txnid = newest_meta(path)[0]
+    txnid, _, psize = newest_meta(path)
     with open(path, "r+b") as f:
         for page in (0, 1):
-            f.seek(page * 4096 + META_LAST_PG)
+            f.seek(page * psize + META_LAST_PG)
             if struct.unpack("<QQ", f.read(16))[1] == txnid:
-                f.seek(page * 4096 + META_LAST_PG)
+                f.seek(page * psize + META_LAST_PG)
                 f.write(struct.pack("<Q", last_pg))
 
 
 def test_a_last_page_past_the_map_its_meta_was_written_with_is_refused(state_dir, open_wal, monkeypatch):
-    """The bit-flip soak's 1 in 6,000 (seed 56,984): a flipped high bit of the newest meta's
+    """The bit-flip soak's 1 in 9,000 (seed 56,984): a flipped high bit of the newest meta's
     last page number. LMDB believed it: it mapped that much (64 TiB), past the log's ceiling,
     and the padding grows the file to match. Now refused before the padding, typed; the
     control (the check skipped) opens with the file grown past the map LMDB itself wrote."""
@@ -338,7 +338,7 @@ def test_a_last_page_past_the_logs_largest_map_is_refused(state_dir, open_wal, m
     environment's invariants then catch (the soak's symptom: ``map_size <= max_map_size``)."""
     _write_log(open_wal, 200, n=5)
     data = os.path.join(state_dir, "wal", "data.mdb")
-    _set_newest_last_pg(data, (128 << 20) // 4096)  # 128 MiB: inside the 1 GiB map
+    _set_newest_last_pg(data, (128 << 20) // newest_meta(data)[2])  # 128 MiB: inside the 1 GiB map
     with pytest.raises(WalCorruptError, match=r"past the log's largest map \(67108864 bytes\)"):
         WalEnv(state_dir, sync=True, map_size=32 << 20, max_map_size=64 << 20)
     monkeypatch.setattr(datafile, "meta_problems", lambda *args: [])  # the control
