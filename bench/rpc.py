@@ -20,7 +20,9 @@ its own process on a Unix socket, and prints one JSON object:
 - ``rpc.rps_8``: 8 client processes doing gsp requests together (requests per second, all of
   them); ``floor.rps_8``: 8 processes doing the echo pairs (no LMDB commit: the daemon must
   share its fsyncs among the 8 clients' commits to get near). ``--phases`` (3) alternations of
-  the two, each on fresh prompts; a side's rate is its requests over its measured seconds.
+  the two, each on fresh prompts; a side's rate is its requests over its measured seconds, its
+  ``client_cpu_us`` the client processes' CPU per request meanwhile (``rpc_cpu.py`` adds the
+  servers' CPU by thread).
 - ``kv.*`` and ``attend.*``: see ``rpc_kv.py`` (layout ``tiny-llama``: 4 layers x 2 KV heads x
   head dim 64, fp16, block 16).
 

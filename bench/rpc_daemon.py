@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CONFIG = """
 [engine]
-sync = "commit"
+sync = "{sync}"
 shm_dir = "{shm}"
 reclaim_grace_s = 30.0
 
@@ -58,10 +58,12 @@ class BenchDaemon:
             the clean stop).
         entry: what follows the interpreter instead of ``-m prefixd.daemon.cli`` (a script
             that wraps the daemon, as ``rpc_stage_probe.py``).
+        sync: ``[engine] sync`` (``"commit"``: what ``bench/rpc.py`` measures; ``rpc_cpu.py``
+            also runs ``"none"``, a daemon whose commits never wait for an fsync).
     """
 
     def __init__(self, blocks: tuple[int, int, int], tiny: tuple[str, int],
-                 profile: str | None = None, entry: list[str] | None = None) -> None:
+                 profile: str | None = None, entry: list[str] | None = None, sync: str = "commit") -> None:
         self.base = tempfile.mkdtemp(prefix="pdb-", dir="/tmp")
         self.shm = tempfile.mkdtemp(prefix="prefixd-bench-", dir="/dev/shm")
         self.state_dir = os.path.join(self.base, "state")
@@ -71,7 +73,7 @@ class BenchDaemon:
         device, host, disk = blocks
         with open(self.config_path, "w") as f:
             f.write(CONFIG.format(shm=self.shm, device=device, host=host, disk=disk,
-                                  tiny=tiny[0], tiny_device=tiny[1]))
+                                  tiny=tiny[0], tiny_device=tiny[1], sync=sync))
         self.profile = profile
         self.entry = entry or ["-m", "prefixd.daemon.cli"]  # rpc_stages.py: a probing wrapper
         self.proc: subprocess.Popen | None = None

@@ -9,6 +9,7 @@ A gsp request here is what issue 11 item 10 names: ``open`` of the prompt (2,176
 
 from __future__ import annotations
 
+import resource
 import struct
 import time
 
@@ -87,10 +88,10 @@ def gsp_worker(socket_path: str, layout_fields: dict, prompts: list[bytes], warm
         with pc.connect(socket_path, layout, name="bench-rpc-worker") as session:
             gsp_requests(session, prompts[:warmup])
             barrier.wait()
-            t0 = time.monotonic()
+            t0, cpu0 = time.monotonic(), _cpu_s()
             lat = gsp_requests(session, prompts[warmup:])
-            t1 = time.monotonic()
-        results.put(("ok", len(lat), t0, t1, lat))
+            t1, cpu1 = time.monotonic(), _cpu_s()
+        results.put(("ok", len(lat), t0, t1, lat, cpu1 - cpu0))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails the run
         barrier.abort()
         results.put(("error", repr(exc)))
@@ -106,14 +107,20 @@ def echo_worker(socket_path: str, request_sizes: tuple[tuple[int, int], tuple[in
         open_req, release_req = (echo.request(*sizes) for sizes in request_sizes)
         floor_requests(echo, open_req, release_req, None, warmup)
         barrier.wait()
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), _cpu_s()
         lat = floor_requests(echo, open_req, release_req, None, n)
-        t1 = time.monotonic()
+        t1, cpu1 = time.monotonic(), _cpu_s()
         echo.close()
-        results.put(("ok", len(lat), t0, t1, lat))
+        results.put(("ok", len(lat), t0, t1, lat, cpu1 - cpu0))
     except BaseException as exc:  # noqa: BLE001
         barrier.abort()
         results.put(("error", repr(exc)))
+
+
+def _cpu_s() -> float:
+    """This process's CPU seconds so far (user + system, every thread: gRPC's own too)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _context():
@@ -129,8 +136,9 @@ def _context():
 
 def run_workers(target, args_per_worker: list[tuple], timeout: float = 600.0) -> dict:
     """Start one worker process per args tuple, release them together, and return
-    ``{"requests", "seconds", "rps", "p50_us", "p99_us", "latencies_ns"}`` of all of them
-    (``latencies_ns`` sorted: for ``combine_runs``, not for the JSON)."""
+    ``{"requests", "seconds", "rps", "p50_us", "p99_us", "client_cpu_us", "latencies_ns"}`` of
+    all of them (``client_cpu_us``: the workers' CPU per request while measured;
+    ``latencies_ns`` sorted: for ``combine_runs``, not for the JSON)."""
     ctx = _context()
     barrier = ctx.Barrier(len(args_per_worker))
     results = ctx.Queue()
@@ -149,14 +157,19 @@ def run_workers(target, args_per_worker: list[tuple], timeout: float = 600.0) ->
     if errors:
         raise RuntimeError(f"a worker failed: {errors}")
     seconds = max(g[3] for g in got) - min(g[2] for g in got)
-    return _summary(sum(g[1] for g in got), seconds, [x for g in got for x in g[4]])
+    requests = sum(g[1] for g in got)
+    return _summary(requests, seconds, [x for g in got for x in g[4]],
+                    client_cpu_us=round(sum(g[5] for g in got) / requests * 1e6, 1))
 
 
 def combine_runs(runs: list[dict]) -> dict:
     """``run_workers``' results of several runs of one side as one: all requests over all
     measured seconds, the percentiles of every request's latency, and each run's rate."""
-    out = _summary(sum(r["requests"] for r in runs), sum(r["seconds"] for r in runs),
-                   [x for r in runs for x in r["latencies_ns"]], rps_by_run=[r["rps"] for r in runs])
+    requests = sum(r["requests"] for r in runs)
+    cpu_us = sum(r["client_cpu_us"] * r["requests"] for r in runs)
+    out = _summary(requests, sum(r["seconds"] for r in runs),
+                   [x for r in runs for x in r["latencies_ns"]], rps_by_run=[r["rps"] for r in runs],
+                   client_cpu_us=round(cpu_us / requests, 1))
     del out["latencies_ns"]
     return out
 

@@ -49,10 +49,12 @@ def test_combine_runs_is_all_requests_over_all_seconds():
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from rpc_load import combine_runs
 
-    runs = [{"requests": 100, "seconds": 1.0, "rps": 100.0, "latencies_ns": [1000, 3000]},
-            {"requests": 300, "seconds": 1.5, "rps": 200.0, "latencies_ns": [2000, 4000, 5000]}]
+    runs = [{"requests": 100, "seconds": 1.0, "rps": 100.0, "client_cpu_us": 800.0, "latencies_ns": [1000, 3000]},
+            {"requests": 300, "seconds": 1.5, "rps": 200.0, "client_cpu_us": 400.0,
+             "latencies_ns": [2000, 4000, 5000]}]
     out = combine_runs(runs)
     assert out["requests"] == 400 and out["seconds"] == 2.5 and out["rps"] == 160.0
+    assert out["client_cpu_us"] == 500.0  # all CPU over all requests, not the mean of 800 and 400
     assert out["rps_by_run"] == [100.0, 200.0] and "latencies_ns" not in out
     assert out["p50_us"] == 3.0 and out["p99_us"] == 5.0
 
@@ -72,6 +74,7 @@ def test_rpc_bench_quick_prints_every_judged_key():
         runs = out["eight_clients"][side]
         assert len(runs["rps_by_run"]) == 3 and all(map(_positive, runs["rps_by_run"]))
         assert min(runs["rps_by_run"]) <= runs["rps"] <= max(runs["rps_by_run"])
+        assert _positive(runs["client_cpu_us"])
     assert _positive(out["eight_clients"]["rpc"]["requests_per_wal_txn"])
     for name in RATIOS:
         assert _positive(out["ratios"][name]), name
@@ -93,3 +96,28 @@ def test_rpc_stages_prints_every_stage():
                                     "handler_to_client", "echo", "lmdb_commit"))):
         for key in keys:
             assert _positive(out[part][key]), (part, key)
+
+
+def test_rpc_cpu_prints_each_sides_rate_and_cpu():
+    """``bench/rpc_cpu.py`` with the smallest counts: the echo floor, the committing daemon and
+    the ``sync = "none"`` daemon each get a rate, the clients' CPU and the server's by thread
+    (read from ``/proc``: the loop thread is the server's main thread, so it always has some)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "rpc_cpu.py"),
+                           "--phases", "1", "--requests", "4"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout)
+    assert set(out["sides"]) == {"echo", "daemon_commit", "daemon_sync_none"}
+    for name, side in out["sides"].items():
+        assert side["requests"] == 8 * 4, name
+        assert _positive(side["rps"]) and _positive(side["client_cpu_us"]), name
+        cpu = side["server_cpu_us"]
+        assert _positive(cpu["loop"]) and cpu["total"] >= cpu["loop"], name
+        assert 0 < side["host_busy_cpus"] <= 1.05 * out["env"]["cpus"], name  # ticks: +-1 per CPU
+    assert _positive(out["ratios"]["sync_none_rps_over_commit"])
+
+
+def test_rpc_cpu_refuses_empty_counts():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "rpc_cpu.py"), "--phases", "0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--phases and --requests must be >= 1" in proc.stderr
