@@ -16,11 +16,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import lmdb
 
-from prefixd.tools.daemon_proc import answers_serving
+from prefixd.tools.daemon_proc import wait_serving
 from prefixd.wal.codec import decode, unpack_key
 from prefixd.wal.env import MAX_DBS
 from prefixd.wal.kinds import Kind
@@ -88,21 +87,11 @@ class BenchDaemon:
             stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
             env=dict(os.environ, PYTHONPATH=ROOT))
         try:
-            self._wait_serving(120.0)
+            wait_serving(self.proc, self.socket, 120.0, self.log)
         except BaseException:
             self.__exit__()
             raise
         return self
-
-    def _wait_serving(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
-            if answers_serving(self.socket):
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"daemon not serving after {timeout} s:\n{self.log()}")
 
     def stop(self) -> int:
         """SIGTERM (a clean stop writes the profile); returns the exit status."""

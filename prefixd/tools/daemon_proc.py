@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 CONFIG = """
 [engine]
@@ -92,7 +93,7 @@ class DaemonProc:
                  "--state-dir", self.state_dir, "--socket", self.socket],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self._env)
         self.starts += 1
-        self._wait_serving(t0 + timeout)
+        wait_serving(self.proc, self.socket, timeout - (time.perf_counter() - t0), self.log_tail)
         return time.perf_counter() - t0
 
     def kill9(self) -> None:
@@ -133,14 +134,24 @@ class DaemonProc:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _wait_serving(self, deadline: float) -> None:
-        while time.perf_counter() < deadline:
-            if self.proc.poll() is not None:
-                raise DaemonFailed(f"daemon exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if answers_serving(self.socket):
-                return
-            time.sleep(0.05)
-        raise DaemonFailed(f"daemon not serving after the timeout:\n{self.log_tail()}")
+
+
+def wait_serving(proc: subprocess.Popen, socket: str, timeout: float, log_tail: Callable[[], str]) -> None:
+    """Return once the daemon ``proc`` answers SERVING on ``socket``. The one wait of the
+    demo's daemon, the benchmarks' and the test harness's.
+
+    Raises:
+        DaemonFailed: ``proc`` exited first, or ``timeout`` seconds passed; the message ends
+            with ``log_tail()`` (the daemon's log).
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise DaemonFailed(f"daemon exited with {proc.returncode}:\n{log_tail()}")
+        if answers_serving(socket):
+            return
+        time.sleep(0.05)
+    raise DaemonFailed(f"daemon not serving after {timeout:g} s:\n{log_tail()}")
 
 
 def answers_serving(socket: str, timeout: float = 1.0) -> bool:

@@ -16,10 +16,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import grpc
-from prefixd.tools.daemon_proc import answers_serving
+from prefixd.tools.daemon_proc import wait_serving
 
 from prefixd.api import prefixd_pb2_grpc as pb_grpc
 
@@ -75,15 +74,9 @@ class DaemonProcess:
         return self
 
     def wait_serving(self, timeout: float = 90.0) -> None:
-        """Until health says SERVING; raises with the daemon's log if it exits or times out."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
-            if answers_serving(self.socket):
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"daemon not serving after {timeout} s:\n{self.log()}")
+        """Until health says SERVING; raises DaemonFailed (a RuntimeError) with the daemon's
+        log if it exits or times out."""
+        wait_serving(self.proc, self.socket, timeout, self.log)
 
     def kill(self) -> None:
         """SIGKILL and reap."""

@@ -16,3 +16,24 @@ def test_kill9_then_start_serves_again_on_the_same_state_and_stop_is_clean():
         d.start()
         assert d.proc.pid != first and d.starts == 2
         assert d.stop() == 0
+
+
+def test_wait_serving_names_an_exit_and_a_timeout_with_the_log(tmp_path):
+    """The one wait of the demo, the benches and the test harness: a child that exits says its
+    status, one that never serves says the timeout; both end with the log it was given."""
+    import subprocess
+    import sys
+
+    from prefixd.tools.daemon_proc import wait_serving
+
+    gone = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    gone.wait()
+    with pytest.raises(DaemonFailed, match=r"(?s)exited with 3:\nthe log"):
+        wait_serving(gone, str(tmp_path / "none.sock"), 5.0, lambda: "the log")
+    silent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with pytest.raises(DaemonFailed, match=r"(?s)not serving after 0.2 s:\nthe log"):
+            wait_serving(silent, str(tmp_path / "none.sock"), 0.2, lambda: "the log")
+    finally:
+        silent.kill()
+        silent.wait()
