@@ -12,7 +12,8 @@ in each phase), echo pairs of the same message sizes for the floor. Per side:
 - ``server_cpu_us``: the server process's CPU per request by thread: ``loop`` (the main
   thread: the event loop, the handlers, the engine), ``event_engine`` (gRPC's I/O threads),
   ``other`` (the WAL committer, the disk writer, gRPC's completion-queue poller); over each
-  phase's whole run, per request made (connects and warm-ups included in both);
+  phase's whole run, per request made (connects and warm-ups included in both; a thread
+  that ends within a phase, as gRPC's pool may shrink, is left out of it);
 - ``host_busy_cpus``: the host's busy CPU seconds (``/proc/stat``: every process) over the
   phases' seconds, out of ``env.cpus``.
 
@@ -40,11 +41,11 @@ WARMUP = 16
 SIDES = ("echo", "daemon_commit", "daemon_sync_none")
 
 
-def thread_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds so far of ``pid``'s threads, as ``loop`` / ``event_engine`` / ``other``
-    (a thread that ended is no longer counted: the servers' threads live as long as they do)."""
+def thread_cpu_s(pid: int) -> dict[str, tuple[str, float]]:
+    """``{tid: (kind, CPU seconds so far)}`` of ``pid``'s threads; kind ``loop`` (the main
+    thread), ``event_engine`` (gRPC's I/O threads) or ``other``."""
     tick = os.sysconf("SC_CLK_TCK")
-    out = {"loop": 0.0, "event_engine": 0.0, "other": 0.0}
+    out = {}
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{task}/stat") as f:
@@ -54,7 +55,17 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
         comm = stat[stat.index("(") + 1:stat.rindex(")")]
         fields = stat[stat.rindex(")") + 2:].split()
         kind = "loop" if task == str(pid) else "event_engine" if comm.startswith("event_engine") else "other"
-        out[kind] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        out[task] = (kind, (int(fields[11]) + int(fields[12])) / tick)  # utime + stime
+    return out
+
+
+def cpu_between(before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds by kind between two ``thread_cpu_s`` readings: each thread alive at the end
+    counts from the first reading (or from its start, when it began since); one that ended
+    in between is not counted (gRPC's thread pool may shrink), so no kind goes negative."""
+    out = {"loop": 0.0, "event_engine": 0.0, "other": 0.0}
+    for tid, (kind, secs) in after.items():
+        out[kind] += secs - before.get(tid, (kind, 0.0))[1]
     return out
 
 
@@ -71,7 +82,7 @@ def _phase(pid: int, target, args_per_worker: list[tuple], made: int) -> dict:
     cpu0, busy0, t0 = thread_cpu_s(pid), host_busy_s(), time.monotonic()
     run = run_workers(target, args_per_worker)
     cpu1, busy1, t1 = thread_cpu_s(pid), host_busy_s(), time.monotonic()
-    run["server_cpu_s"] = {k: cpu1[k] - cpu0[k] for k in cpu0}
+    run["server_cpu_s"] = cpu_between(cpu0, cpu1)
     run["made"] = made
     run["busy_s"], run["wall_s"] = busy1 - busy0, t1 - t0
     return run
