@@ -1,5 +1,6 @@
 """The KV data path and Attend sections of ``bench/rpc.py``, each against its floor, timed in
-alternating repetitions so that the host's noise lands on both.
+alternating repetitions so that the host's noise lands on both (the KV paths in a fresh random
+order each repetition: the NOTE on order).
 
 - KV: write then read of a 2k-token prefix's KV (``[num_layers, 2, 2048, num_kv_heads,
   head_dim]``) of a sequence whose blocks are all private, through the mapped pool
@@ -20,6 +21,7 @@ alternating repetitions so that the host's noise lands on both.
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 
@@ -38,6 +40,10 @@ PREFIX_TOKENS = 2048
 # measured the team's wake-ups. numpy's copies are one memcpy each in the calling thread
 # (0.60-0.90 ms the pair at the median in three runs), as the mapped path's own copies are
 # (``prefixd.kernels.token_io``).
+# NOTE (order): each repetition times the four KV paths in a fresh random order. In a fixed
+# rotation a path always ran right after the same other one and inherited what it left in the
+# caches: the memcpy floor (timed after the mapped path) ran 0.1-0.2 ms slower once the mapped
+# path stopped warming torch's code for it (``token_io``'s NOTE on the numpy path).
 ATTEND_SEQS = 16
 Q_HEADS_PER_KV_HEAD = 4
 
@@ -118,8 +124,11 @@ def kv_section(mapped, remote, echo, reps: int) -> dict:
         out = fn()
         if name in ("mapped", "rpc") and not torch.equal(out, kv):
             raise RuntimeError(f"the {name} path read back other bytes than it wrote")
+    order = list(runs)
+    shuffle = random.Random(11).shuffle
     for _ in range(reps):
-        for name, fn in runs:
+        shuffle(order)  # the NOTE on order
+        for name, fn in order:
             t0 = clock()
             fn()
             times[name].append(clock() - t0)

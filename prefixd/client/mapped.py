@@ -33,7 +33,7 @@ from prefixd.api import prefixd_pb2 as pb
 from prefixd.api.tensors import dtype_of, tensor_from_cuda_ipc
 from prefixd.client.errors import InvalidArgument, MappingError, SharedBlockError
 from prefixd.kernels import layer_kv, paged_attention, write_kv as write_new_kv
-from prefixd.kernels.token_io import read_tokens, write_tokens
+from prefixd.kernels.token_io import new_cpu_tensor, numpy_view, read_tokens, read_tokens_np, write_tokens, write_tokens_np
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,10 @@ class MappedPool:
     """One tier's pool of the daemon, mapped.
 
     Invariants: ``tensor`` has the descriptor's shape, strides and dtype and aliases the
-    daemon's memory for as long as this object (or a view of ``tensor``) lives. ``pending``
-    is True while stores into a CUDA pool may still be in flight on this process's stream.
+    daemon's memory for as long as this object (or a view of ``tensor``) lives; so does
+    ``array``, its numpy view (``token_io.numpy_view``), on a CPU pool (None on CUDA).
+    ``pending`` is True while stores into a CUDA pool may still be in flight on this
+    process's stream.
 
     NOTE: CUDA copies are asynchronous, and the daemon reads the blocks from another process:
     ``settle()`` waits for this process's stores before anything asks the daemon to read them
@@ -58,6 +60,9 @@ class MappedPool:
 
     def __init__(self, tensor: torch.Tensor, tier: str, path: str | None, keepalive=None) -> None:
         self.tensor = tensor
+        self.array = numpy_view(tensor) if tensor.device.type == "cpu" else None
+        self.block_size = tensor.shape[3]
+        self.dtype = tensor.dtype
         self.tier = tier
         self.path = path
         self.pending = False
@@ -69,13 +74,9 @@ class MappedPool:
             torch.cuda.synchronize(self.tensor.device)
             self.pending = False
 
-    @property
-    def block_size(self) -> int:
-        return self.tensor.shape[3]
-
     def write(self, seq, start: int, kv: torch.Tensor) -> None:
-        """KV of tokens ``start ..`` of ``seq`` into its blocks (range and shape checked by the
-        caller). Raises SharedBlockError for a committed block."""
+        """KV of tokens ``start ..`` of ``seq`` into its blocks (range, shape and dtype checked
+        by the caller). Raises SharedBlockError for a committed block."""
         n = kv.shape[2]
         if not n:
             return
@@ -86,10 +87,23 @@ class MappedPool:
                 f"sequence {seq.id}: tokens {start}..{start + n} reach block {first}, which is "
                 f"committed (shared with other prompts, read-only); only tokens from "
                 f"{seq.num_indexed * bs} on may be written")
-        write_tokens(self.tensor, seq.block_table, start, kv, self.block_size)
+        if self.array is not None and kv.device.type == "cpu":
+            write_tokens_np(self.array, seq.block_table, start, numpy_view(kv), self.block_size)
+            return
+        write_tokens(self.tensor, seq.block_table, start, kv.detach(), self.block_size)
         self.pending = self.tensor.is_cuda
 
     def read(self, seq, start: int, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """KV of tokens ``start .. start + n`` of ``seq``: ``out`` filled (shape and dtype
+        checked by the caller), or a new tensor on the pool's device."""
+        if self.array is not None and (out is None or out.device.type == "cpu"):
+            if out is None:
+                _, num_layers, _, _, num_kv_heads, head_dim = self.array.shape
+                out, dst = new_cpu_tensor((num_layers, 2, n, num_kv_heads, head_dim), self.dtype)
+            else:
+                dst = numpy_view(out)
+            read_tokens_np(self.array, seq.block_table, start, n, self.block_size, dst)
+            return out
         return read_tokens(self.tensor, seq.block_table, start, n, self.block_size, out)
 
     @torch.no_grad()

@@ -167,8 +167,7 @@ class Session(Attachment):
         self._check_range(seq, start, n)
         if not n:
             return
-        kv = kv.detach()  # a store into the pool must not join (or keep) an autograd graph
-        pool = self.pool
+        pool = self.pool  # a store into the pool never joins an autograd graph (MappedPool.write)
         if pool is not None and (start // self.layout.block_size >= seq.shared_blocks()
                                  or start // self.layout.block_size < seq.num_indexed):
             self._check_lease([seq])

@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 import prefixd.client as pc
 from prefixd.api import prefixd_pb2 as pb
@@ -149,3 +150,65 @@ def test_mapped_attend_writes_new_kv_then_matches_the_reference(daemon_pool):
     q2 = torch.randn(5, 4, LAYOUT.head_dim)
     out2 = mapped.attend([a, b], q2, layer=1, new_k=None, new_v=None, query_start_loc=[0, 3, 5], scale=None)
     torch.testing.assert_close(out2, _reference(daemon_pool.tensor, [a, b], q2, [0, 3, 5]))
+
+
+class _TorchCalls(TorchFunctionMode):
+    """Counts the torch functions, methods and attribute reads made while it is entered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(getattr(func, "__name__", repr(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_mapped_cpu_write_and_read_make_a_handful_of_torch_calls(daemon_pool):
+    """Regression (kv.mapped_gbps): the mapped path made ~30 torch calls a write and ~24 a
+    read (views per run, a numpy view per side of each copy), each tens of microseconds on
+    cold caches; it now works on the pool's numpy view (token_io's NOTE)."""
+    mapped = map_pool(descriptor(daemon_pool), LAYOUT)
+    s = seq([9, 10, 11, 4, 5], 5 * LAYOUT.block_size)
+    x = kv(5 * LAYOUT.block_size - 2, seed=4)
+    with _TorchCalls() as writes:
+        mapped.write(s, 1, x)
+    with _TorchCalls() as reads:
+        got = mapped.read(s, 1, x.shape[2])
+    assert torch.equal(got, x)
+    assert len(writes.calls) <= 6, writes.calls
+    assert len(reads.calls) <= 2, reads.calls
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_a_mapped_pool_of_a_dtype_numpy_lacks_round_trips_bit_exact(tmp_path, dtype):
+    """The mapped CPU path moves such dtypes as integers of their size, reads included
+    (``new_cpu_tensor`` allocates through numpy)."""
+    layout = KVLayout("mapped-bits", num_layers=2, num_kv_heads=2, head_dim=8, dtype=dtype, block_size=4)
+    p = TensorPool(layout, 0, NUM_BLOCKS, path=str(tmp_path / "device.pool"), fresh=True)
+    try:
+        d = p.descriptor()
+        mapped = map_pool(pb.PoolDescriptor(tier="device", path=d["path"], offset=d["offset"], shape=d["shape"],
+                                            strides=d["strides"], dtype=d["dtype"], file_id=d["file_id"]), layout)
+        s = seq([3, 7, 8], 12)
+        size = getattr(torch, dtype).itemsize
+        bits = torch.randint(0, 256, (2, 2, 10, 2, 8 * size), dtype=torch.uint8,
+                             generator=torch.Generator().manual_seed(1))
+        x = bits.view(getattr(torch, dtype))
+        mapped.write(s, 2, x)
+        got = mapped.read(s, 2, 10)
+        assert got.dtype == x.dtype and torch.equal(got.view(torch.uint8), bits)
+        out = torch.zeros_like(x)
+        assert mapped.read(s, 2, 10, out) is out and torch.equal(out.view(torch.uint8), bits)
+    finally:
+        p.close()
+
+
+def test_a_mapped_write_of_a_tensor_that_requires_grad_keeps_no_graph(daemon_pool):
+    mapped = map_pool(descriptor(daemon_pool), LAYOUT)
+    s = seq([2, 3], 8)
+    x = kv(8, seed=2).requires_grad_()
+    mapped.write(s, 0, x)
+    got = mapped.read(s, 0, 8)
+    assert torch.equal(got, x.detach()) and not got.requires_grad
+    assert not mapped.tensor.requires_grad

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from prefixd.api.tensors import DTYPES
-from prefixd.kernels.token_io import MAX_RUNS, copy_into, read_tokens, slot_runs, write_tokens
+from prefixd.kernels import token_io
+from prefixd.kernels.token_io import (MAX_RUNS, copy_into, new_cpu_tensor, numpy_view, read_tokens, slot_runs,
+                                     write_tokens)
 
 BS = 4
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 3
@@ -168,3 +170,47 @@ def test_copy_into_an_aliased_pair_still_broadcasts():
     src.copy_(torch.arange(1024.0))
     copy_into(dst, src)
     assert torch.equal(dst, torch.arange(1024.0).expand(2, 1024))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_new_cpu_tensor_and_its_numpy_view_share_memory(dtype):
+    dt = getattr(torch, dtype)
+    t, a = new_cpu_tensor((2, 3, 5), dt)
+    assert t.dtype == dt and tuple(t.shape) == (2, 3, 5) == a.shape
+    assert a.dtype.kind in "iu" and a.itemsize == t.element_size()
+    a[...] = 1
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.itemsize]
+    assert torch.equal(t.view(as_int), torch.ones((2, 3, 5), dtype=as_int))
+
+
+def test_numpy_view_aliases_a_tensor_that_requires_grad():
+    t = torch.zeros(4, requires_grad=True)
+    a = numpy_view(t)
+    a[1] = np.float32(2.5).view(np.int32)
+    assert t.detach()[1].item() == 2.5
+
+
+def test_a_write_across_dtypes_casts_to_the_pools():
+    for table in ([5, 6, 7, 1], list(range(0, 2 * (MAX_RUNS + 4), 2))):
+        p = pool(2 * len(table) + 8).half()
+        x = kv(len(table) * BS - 3, seed=8)
+        write_tokens(p, table, 1, x, BS)
+        assert torch.equal(read_tokens(p, table, 1, x.shape[2], BS), x.half())
+
+
+@pytest.mark.parametrize("start, n", [(0, 48), (3, 30), (5, 2)])
+@pytest.mark.parametrize("table", [[5, 6, 7, 1, 2, 3, 9, 10, 11, 12, 20, 21],
+                                   list(range(0, 2 * (MAX_RUNS + 4), 2))], ids=["runs", "scattered"])
+def test_torchs_copies_a_cuda_pool_takes_agree_with_the_numpy_path(monkeypatch, start, n, table):
+    """CI has no CUDA: the torch branch (``copy_``, ``index_copy_``, ``index_select``) runs on
+    CPU tensors here, with the numpy path switched off, against the numpy path's bytes."""
+    x = kv(n, seed=start)
+    want = pool(2 * max(table) + 2)
+    write_tokens(want, table, start, x, BS)
+    monkeypatch.setattr(token_io, "_numpy_copies", lambda a, b: False)
+    got = pool(2 * max(table) + 2)
+    write_tokens(got, table, start, x, BS)
+    assert torch.equal(got, want)
+    assert torch.equal(read_tokens(got, table, start, n, BS), x)
+    out = torch.full_like(x, -1.0)
+    assert read_tokens(got, table, start, n, BS, out) is out and torch.equal(out, x)

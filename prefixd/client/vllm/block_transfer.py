@@ -40,11 +40,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from prefixd.kernels.token_io import numpy_view
+
 COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0))))  # memory-bound: a few cores saturate it
 SPLIT_BYTES = 4 << 20  # below this a transfer stays on the caller's thread (handoffs cost ~50 us)
-
-# numpy has no bfloat16 (nor the float8 kinds): copy those as integers of the same size
-_AS_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def runs(block_ids, slots) -> list[tuple[int, int, int]]:
@@ -89,7 +88,7 @@ def _transfer(pool: torch.Tensor, views, block_ids, slots, *, into_vllm: bool) -
     pairs = []
     for layer, view in enumerate(views):
         for b, s, k in spans:
-            ours, theirs = _numpy(pool[s:s + k, layer]), _numpy(view[b:b + k])
+            ours, theirs = numpy_view(pool[s:s + k, layer]), numpy_view(view[b:b + k])
             pairs.append((theirs, ours) if into_vllm else (ours, theirs))
     nbytes = len(block_ids) * pool[0].numel() * pool.element_size()
     shares = min(COPY_THREADS, len(pairs)) if nbytes >= SPLIT_BYTES else 1
@@ -121,8 +120,3 @@ def _helpers() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="prefixd-copy")
         return _pool
-
-
-def _numpy(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of ``t``'s memory (same strides), bit for bit."""
-    return t.view(_AS_INT[t.element_size()]).numpy()
