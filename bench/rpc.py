@@ -49,6 +49,8 @@ BENCH = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 
+from affinity import parse_cpus  # noqa: E402 - bench/ on the path first
+
 SECTIONS = ("rpc", "rps8", "kv", "attend")
 GSP_LAYOUT = dict(model_id="bench-rpc", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16",
                   block_size=16)
@@ -193,8 +195,9 @@ def run(args) -> dict:
     t_start = time.monotonic()
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="pdb-floor-", dir="/tmp") as tmp, \
-            EchoServer(os.path.join(tmp, "echo.sock")) as echo_server, \
-            BenchDaemon(blocks, (TINY_LAYOUT["model_id"], 4096), profile=args.profile) as daemon:
+            EchoServer(os.path.join(tmp, "echo.sock"), cpus=args.server_cpus) as echo_server, \
+            BenchDaemon(blocks, (TINY_LAYOUT["model_id"], 4096), profile=args.profile,
+                        cpus=args.server_cpus) as daemon:
         echo_path = echo_server.path
         echo = EchoClient(echo_path)
         echo.wait_ready()
@@ -227,6 +230,7 @@ def run(args) -> dict:
         "rps_8": {"phases": phases, "requests_per_worker_per_phase": per_worker,
                   "warmup_per_worker_per_phase": warmup8, "echo_pairs_per_worker_per_phase": echo_pairs},
         "socket": "Unix, one per server, same directory kind (/tmp)",
+        "server_cpus": sorted(args.server_cpus) if args.server_cpus else "all",
     }
     result["env"] = {"cpus": os.cpu_count(), "load_avg_before": [round(x, 2) for x in load_before],
                      "load_avg_after": [round(x, 2) for x in os.getloadavg()],
@@ -283,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=32, help="one-client rounds alternating daemon / floor")
     parser.add_argument("--phases", type=int, default=3, help="8-client phases alternating floor / daemon")
     parser.add_argument("--profile", metavar="PATH", help="run the daemon under cProfile, write here")
+    parser.add_argument("--server-cpus", metavar="LIST", type=parse_cpus, default=None,
+                        help="pin the daemon and the echo server alike to these CPUs (e.g. 1), as "
+                             "systemd's CPUAffinity= would; default: not pinned")
     args = parser.parse_args(argv)
     args.sections = tuple(s for s in args.sections.split(",") if s)
     unknown = set(args.sections) - set(SECTIONS)

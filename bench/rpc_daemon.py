@@ -19,6 +19,7 @@ import tempfile
 
 import lmdb
 
+from affinity import preexec
 from prefixd.tools.daemon_proc import wait_serving
 from prefixd.wal.codec import decode, unpack_key
 from prefixd.wal.env import MAX_DBS
@@ -59,10 +60,12 @@ class BenchDaemon:
             that wraps the daemon, as ``rpc_stage_probe.py``).
         sync: ``[engine] sync`` (``"commit"``: what ``bench/rpc.py`` measures; ``rpc_cpu.py``
             also runs ``"none"``, a daemon whose commits never wait for an fsync).
+        cpus: the CPUs the daemon process runs on (``bench/affinity.py``); None: all.
     """
 
     def __init__(self, blocks: tuple[int, int, int], tiny: tuple[str, int],
-                 profile: str | None = None, entry: list[str] | None = None, sync: str = "commit") -> None:
+                 profile: str | None = None, entry: list[str] | None = None, sync: str = "commit",
+                 cpus: frozenset[int] | None = None) -> None:
         self.base = tempfile.mkdtemp(prefix="pdb-", dir="/tmp")
         self.shm = tempfile.mkdtemp(prefix="prefixd-bench-", dir="/dev/shm")
         self.state_dir = os.path.join(self.base, "state")
@@ -75,6 +78,7 @@ class BenchDaemon:
                                   tiny=tiny[0], tiny_device=tiny[1], sync=sync))
         self.profile = profile
         self.entry = entry or ["-m", "prefixd.daemon.cli"]  # rpc_stages.py: a probing wrapper
+        self.cpus = cpus
         self.proc: subprocess.Popen | None = None
         self._log = None
 
@@ -85,7 +89,7 @@ class BenchDaemon:
             [sys.executable, *prof, *self.entry, "serve", "--config",
              self.config_path, "--state-dir", self.state_dir, "--socket", self.socket],
             stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
-            env=dict(os.environ, PYTHONPATH=ROOT))
+            env=dict(os.environ, PYTHONPATH=ROOT), preexec_fn=preexec(self.cpus))
         try:
             wait_serving(self.proc, self.socket, 120.0, self.log)
         except BaseException:

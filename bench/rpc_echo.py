@@ -85,13 +85,16 @@ async def _serve(path: str) -> None:
 class EchoServer:
     """The echo server as a child process (``with EchoServer(path) as server``)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, cpus: frozenset[int] | None = None) -> None:
         self.path = path
+        self.cpus = cpus  # the CPUs it runs on (bench/affinity.py); None: all
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "EchoServer":
+        from affinity import preexec
+
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), self.path],
-                                     stdout=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, text=True, preexec_fn=preexec(self.cpus))
         line = self.proc.stdout.readline()
         if line.strip() != "ready":
             raise RuntimeError(f"echo server did not start (exit {self.proc.poll()}): {line!r}")

@@ -135,3 +135,33 @@ def test_rpc_cpu_counts_threads_that_start_and_never_those_that_end():
     after = {"1": ("loop", 2.5), "2": ("event_engine", 1.25), "4": ("event_engine", 0.5)}
     # thread 3 ended (its 5 s are gone, not subtracted); thread 4 began (all of it counts)
     assert cpu_between(before, after) == {"loop": 0.5, "event_engine": 0.75, "other": 0.0}
+
+
+def test_server_cpus_pins_both_servers_and_refuses_cpus_it_cannot_use(tmp_path):
+    """``--server-cpus``: the daemon and the echo floor start with the given affinity (every
+    thread inherits it); a CPU outside this process's set is refused before anything starts."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from affinity import parse_cpus, preexec
+
+    mine = sorted(os.sched_getaffinity(0))
+    one = frozenset(mine[-1:])
+    assert parse_cpus(str(mine[-1])) == one
+    with pytest.raises(Exception, match="may run on CPUs"):
+        parse_cpus(str(max(mine) + 64))
+    with pytest.raises(Exception, match="separated by commas"):
+        parse_cpus("one")
+    assert preexec(None) is None
+    child = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                           capture_output=True, text=True, preexec_fn=preexec(one), check=True)
+    assert child.stdout.strip() == str(sorted(one))
+    from rpc_daemon import BenchDaemon
+    from rpc_echo import EchoServer
+
+    with EchoServer(str(tmp_path / "echo.sock"), cpus=one) as echo, \
+            BenchDaemon((64, 64, 0), ("tiny", 16), cpus=one) as daemon:
+        assert os.sched_getaffinity(echo.proc.pid) == one
+        for task in os.listdir(f"/proc/{daemon.proc.pid}/task"):  # gRPC's threads, the loop, ...
+            assert os.sched_getaffinity(int(task)) == one
+    proc = subprocess.run([sys.executable, BENCH, "--quick", "--server-cpus", str(max(mine) + 64)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "may run on CPUs" in proc.stderr
