@@ -79,11 +79,9 @@ def write_tokens(pool: torch.Tensor, block_table, start: int, kv: torch.Tensor, 
     n = kv.shape[2]
     for off, slot, row, k in _partial_blocks(block_table, start, n, block_size):
         pool[slot, :, :, row:row + k].copy_(kv[:, :, off:off + k])
-    first, off, nb = _whole_blocks(start, n, block_size)
-    if nb:
-        src = kv[:, :, off:off + nb * block_size].unflatten(2, (nb, block_size)).permute(2, 0, 1, 3, 4, 5)
-        slots = block_table[first:first + nb]
-        spans = slot_runs(slots)
+    off, slots, spans = _whole_runs(block_table, start, n, block_size)
+    if slots:
+        src = _torch_by_block(kv, off, len(slots), block_size)
         if len(spans) > MAX_RUNS:
             pool.index_copy_(0, torch.tensor(slots, dtype=torch.long, device=pool.device), src)
             return
@@ -96,11 +94,9 @@ def write_tokens_np(pool: np.ndarray, block_table, start: int, kv: np.ndarray, b
     n = kv.shape[2]
     for off, slot, row, k in _partial_blocks(block_table, start, n, block_size):
         copy_np(pool[slot, :, :, row:row + k], kv[:, :, off:off + k])
-    first, off, nb = _whole_blocks(start, n, block_size)
-    if nb:
-        src = _by_block(kv, off, nb, block_size)
-        slots = block_table[first:first + nb]
-        spans = slot_runs(slots)
+    off, slots, spans = _whole_runs(block_table, start, n, block_size)
+    if slots:
+        src = _by_block(kv, off, len(slots), block_size)
         if len(spans) > MAX_RUNS:
             pool[slots] = src
             return
@@ -124,11 +120,9 @@ def read_tokens(pool: torch.Tensor, block_table, start: int, n: int, block_size:
         return out
     for off, slot, row, k in _partial_blocks(block_table, start, n, block_size):
         out[:, :, off:off + k].copy_(pool[slot, :, :, row:row + k])
-    first, off, nb = _whole_blocks(start, n, block_size)
-    if nb:
-        dst = out[:, :, off:off + nb * block_size].unflatten(2, (nb, block_size)).permute(2, 0, 1, 3, 4, 5)
-        slots = block_table[first:first + nb]
-        spans = slot_runs(slots)
+    off, slots, spans = _whole_runs(block_table, start, n, block_size)
+    if slots:
+        dst = _torch_by_block(out, off, len(slots), block_size)
         if len(spans) > MAX_RUNS:
             dst.copy_(pool.index_select(0, torch.tensor(slots, dtype=torch.long, device=pool.device)))
         else:
@@ -143,10 +137,10 @@ def read_tokens_np(pool: np.ndarray, block_table, start: int, n: int, block_size
     run by run (an indexed read of scattered blocks would make a temporary)."""
     for off, slot, row, k in _partial_blocks(block_table, start, n, block_size):
         copy_np(out[:, :, off:off + k], pool[slot, :, :, row:row + k])
-    first, off, nb = _whole_blocks(start, n, block_size)
-    if nb:
-        dst = _by_block(out, off, nb, block_size)
-        for i, slot, k in slot_runs(block_table[first:first + nb]):
+    off, slots, spans = _whole_runs(block_table, start, n, block_size)
+    if slots:
+        dst = _by_block(out, off, len(slots), block_size)
+        for i, slot, k in spans:
             copy_np(dst[i:i + k], pool[slot:slot + k])
 
 
@@ -227,6 +221,19 @@ def slot_runs(slots) -> list[tuple[int, int, int]]:
         out.append((i, slots[i], j - i))
         i = j
     return out
+
+
+def _whole_runs(block_table, start: int, n: int, block_size: int) -> tuple[int, list, list]:
+    """``(offset in the range, slots, their runs)`` of the blocks the range covers whole
+    (``slot_runs`` of the slots; no slots: none)."""
+    first, off, nb = _whole_blocks(start, n, block_size)
+    slots = block_table[first:first + nb] if nb else []
+    return off, slots, slot_runs(slots)
+
+
+def _torch_by_block(kv: torch.Tensor, off: int, nb: int, block_size: int) -> torch.Tensor:
+    """``_by_block`` of a tensor: tokens ``off .. off + nb * block_size`` as blocks (a view)."""
+    return kv[:, :, off:off + nb * block_size].unflatten(2, (nb, block_size)).permute(2, 0, 1, 3, 4, 5)
 
 
 def _whole_blocks(start: int, n: int, block_size: int) -> tuple[int, int, int]:
