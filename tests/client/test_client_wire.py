@@ -1,11 +1,14 @@
 """Tokens on the wire and typed errors: the client's pure pieces."""
 
+import struct
+
 import grpc
 import numpy as np
 import pytest
 import torch
 
 import prefixd.client as pc
+from prefixd.client import wire
 from prefixd.client.errors import from_status
 from prefixd.client.wire import pack_tokens, unpack_ints
 
@@ -64,3 +67,13 @@ def test_typed_errors_are_also_the_builtin_kinds_callers_catch():
     assert isinstance(from_status(grpc.StatusCode.INVALID_ARGUMENT, "x"), ValueError)
     assert isinstance(from_status(grpc.StatusCode.NOT_FOUND, "x"), LookupError)
     assert isinstance(pc.SharedBlockError("x"), pc.FailedPrecondition)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_unpack_ints_reads_little_endian_int32_on_either_path(monkeypatch, native):
+    """The memoryview cast (a little-endian host) and numpy's decoding agree, signs and
+    extremes included."""
+    monkeypatch.setattr(wire, "_NATIVE_LE_I32", native and wire._NATIVE_LE_I32)
+    values = [0, 1, -1, 2**31 - 1, -(2**31), 123456]
+    assert unpack_ints(struct.pack(f"<{len(values)}i", *values)) == values
+    assert unpack_ints(b"") == []
