@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 from prefixd.daemon.event_journal import EventJournals
 from prefixd.daemon.metrics import RpcTimes
@@ -48,6 +49,9 @@ class DaemonCore:
         # KV events for routers, per tenant (fed by the engine once it serves; SubscribeEvents)
         self.events = EventJournals([t.name for t in engine_config.tenants], self.epoch,
                                     config.events.ring_size, config.events.subscriber_queue)
+        # Attend's kernels, off the loop (``kv_rpc``'s NOTE): one thread, started at the first
+        # Attend; the daemon waits for it before it closes the engine (``server._shutdown``)
+        self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixd-attend")
 
     def check_serving(self) -> None:
         """Raises UNAVAILABLE unless the daemon serves."""

@@ -191,6 +191,8 @@ class Daemon:
         core.events.close()  # SubscribeEvents streams end UNAVAILABLE, naming where to resume
         await self._drain(core.config.shutdown_grace_s)
         await self._close_servers(core.config.shutdown_grace_s)
+        # a kernel still running past the grace reads the pools: it ends before they close
+        await asyncio.get_running_loop().run_in_executor(None, core.compute.shutdown)
         ticker.cancel()
         self._stop_metrics()
         status = 0
