@@ -22,10 +22,12 @@ def parse_cpus(text: str) -> frozenset[int]:
     try:
         cpus = frozenset(int(part) for part in text.split(",") if part.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--server-cpus takes CPU numbers separated by commas, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"--server-cpus takes CPU numbers separated by commas, got {text!r}") from None
     allowed = os.sched_getaffinity(0)
     if not cpus or not cpus <= allowed:
-        raise argparse.ArgumentTypeError(f"--server-cpus {text!r}: this process may run on CPUs {sorted(allowed)} only")
+        raise argparse.ArgumentTypeError(
+            f"--server-cpus {text!r}: this process may run on CPUs {sorted(allowed)} only")
     return cpus
 
 

@@ -33,7 +33,8 @@ from prefixd.api import prefixd_pb2 as pb
 from prefixd.api.tensors import dtype_of, tensor_from_cuda_ipc
 from prefixd.client.errors import InvalidArgument, MappingError, SharedBlockError
 from prefixd.kernels import layer_kv, paged_attention, write_kv as write_new_kv
-from prefixd.kernels.token_io import new_cpu_tensor, numpy_view, read_tokens, read_tokens_np, write_tokens, write_tokens_np
+from prefixd.kernels.token_io import (new_cpu_tensor, numpy_view, read_tokens, read_tokens_np, write_tokens,
+                                     write_tokens_np)
 
 log = logging.getLogger(__name__)
 

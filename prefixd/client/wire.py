@@ -13,6 +13,9 @@ import torch
 from prefixd.api.layout import as_token_bytes
 from prefixd.client.errors import InvalidArgument
 
+# a C int is the wire's int32 in this process's byte order (little-endian hosts)
+_NATIVE_LE_I32 = sys.byteorder == "little" and struct.calcsize("i") == 4
+
 
 def pack_tokens(tokens) -> bytes:
     """Token ids as packed little-endian int32 bytes.
@@ -41,7 +44,3 @@ def unpack_ints(raw: bytes) -> list[int]:
     if _NATIVE_LE_I32:
         return memoryview(raw).cast("i").tolist()
     return np.frombuffer(raw, dtype="<i4").tolist()
-
-
-# a C int is the wire's int32 in this process's byte order (little-endian hosts)
-_NATIVE_LE_I32 = sys.byteorder == "little" and struct.calcsize("i") == 4

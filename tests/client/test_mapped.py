@@ -188,8 +188,9 @@ def test_a_mapped_pool_of_a_dtype_numpy_lacks_round_trips_bit_exact(tmp_path, dt
     p = TensorPool(layout, 0, NUM_BLOCKS, path=str(tmp_path / "device.pool"), fresh=True)
     try:
         d = p.descriptor()
-        mapped = map_pool(pb.PoolDescriptor(tier="device", path=d["path"], offset=d["offset"], shape=d["shape"],
-                                            strides=d["strides"], dtype=d["dtype"], file_id=d["file_id"]), layout)
+        desc = pb.PoolDescriptor(tier="device", path=d["path"], offset=d["offset"], shape=d["shape"],
+                                 strides=d["strides"], dtype=d["dtype"], file_id=d["file_id"])
+        mapped = map_pool(desc, layout)
         s = seq([3, 7, 8], 12)
         size = getattr(torch, dtype).itemsize
         bits = torch.randint(0, 256, (2, 2, 10, 2, 8 * size), dtype=torch.uint8,

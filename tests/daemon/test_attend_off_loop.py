@@ -76,9 +76,9 @@ def test_the_loop_answers_other_calls_while_an_attend_kernel_runs(served, monkey
         loop = asyncio.get_running_loop()
         attend = asyncio.create_task(service.Attend(request, _Context()))
         assert await loop.run_in_executor(None, started.wait, 10), "the kernel never started"
-        lookup = await asyncio.wait_for(service.Lookup(
-            pb.LookupRequest(session_id=session.id, tokens=torch.arange(9, dtype=torch.int32).numpy().tobytes()),
-            _Context()), 5)
+        tokens = torch.arange(9, dtype=torch.int32).numpy().tobytes()
+        lookup = await asyncio.wait_for(
+            service.Lookup(pb.LookupRequest(session_id=session.id, tokens=tokens), _Context()), 5)
         assert lookup.cached_tokens == 0  # answered while the kernel waits on its gate
         assert not attend.done()
         gate.set()
