@@ -33,11 +33,11 @@ import stat
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.daemon.settings import DaemonConfig, TenantSocket
-from prefixd.daemon.handlers import add_service
+from prefixd.daemon.handlers import GenericOnly, add_service
 from prefixd.daemon.collector import freeze_startup_heap
 from prefixd.daemon.core import SERVING, STOPPING, DaemonCore
 from prefixd.daemon.config_watch import ConfigWatch
@@ -147,10 +147,11 @@ class Daemon:
         server = grpc.aio.server(options=options, maximum_concurrent_rpcs=cfg.max_concurrent_calls)
         add_service(PrefixCacheService(self.core, sock.tenant), server)
         health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        reflection.enable_server_reflection(
+        generic = GenericOnly(server)  # one pending future per call, not one per method
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, generic)
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(
             (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME), server)
+             reflection.SERVICE_NAME)), generic)
         await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
         try:
