@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 def serve_command(args) -> int:
     setup_logging("info")
     from prefixd.daemon import event_loop
+    from prefixd.daemon.core import limit_intra_op_threads
     from prefixd.daemon.heap import keep_message_buffers
     from prefixd.daemon.reload import ConfigSource
     from prefixd.daemon.server import Daemon  # after logging: importing torch takes a moment
@@ -53,6 +54,7 @@ def serve_command(args) -> int:
         state_dir = os.path.abspath(args.state_dir or daemon_config.default_state_dir())
         daemon = Daemon(state_dir, engine_config, config, source)
         keep_message_buffers()  # a process-wide policy: KV messages are MiBs (heap.py)
+        log.info("torch intra-op threads=%d", limit_intra_op_threads())  # core.py's NOTE
         return event_loop.run(daemon.run)  # uvloop's when installed (event_loop.py)
     except StateLockedError as exc:
         log.error("not starting: %s", exc)

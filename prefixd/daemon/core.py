@@ -7,10 +7,13 @@ here is touched on the event-loop thread only.
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+
+import torch
 
 from prefixd.daemon.event_journal import EventJournals
 from prefixd.daemon.metrics import RpcTimes
@@ -21,6 +24,26 @@ from prefixd.engine.config import EngineConfig
 from prefixd.engine.progress import RecoveryProgress
 
 RECOVERING, SERVING, STOPPING = "recovering", "serving", "stopping"
+
+
+def limit_intra_op_threads() -> int:
+    """Set torch's intra-op threads for the daemon's process to one fewer than its CPUs (at
+    least 1), unless ``OMP_NUM_THREADS`` says otherwise; returns the count in force.
+
+    NOTE: Attend's kernel runs on the compute thread, not the process's first thread, and
+    libgomp (torch's OpenMP on Linux) counts a team started there on top of that first
+    thread: a team as wide as the CPUs makes it "throttled", and its workers sleep on a futex
+    between the kernel's many small parallel regions instead of spinning. On this 2-CPU host
+    the decode step of ``bench/rpc.py``'s attend section took 12-14 ms so (~80 futex waits a
+    call) against 5.5-8 ms on the first thread and 7.6-10.7 ms single-threaded; with the
+    daemon's whole serving history in the process, Attend went from 1.57-1.95 of its floor
+    to 1.22-1.45 (``docs/design.md``, "Attend's kernel and libgomp").
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    cpus = len(os.sched_getaffinity(0))
+    torch.set_num_threads(max(1, cpus - 1))
+    return torch.get_num_threads()
 
 
 class DaemonCore:
