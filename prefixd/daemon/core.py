@@ -27,23 +27,27 @@ RECOVERING, SERVING, STOPPING = "recovering", "serving", "stopping"
 
 
 def limit_intra_op_threads() -> int:
-    """Set torch's intra-op threads for the daemon's process to one fewer than its CPUs (at
-    least 1), unless ``OMP_NUM_THREADS`` says otherwise; returns the count in force.
+    """Set torch's intra-op threads for the daemon's process to 1, unless ``OMP_NUM_THREADS``
+    says otherwise; returns the count in force. Attend's parallelism comes from the compute
+    threads instead (``attend_job``).
 
-    NOTE: Attend's kernel runs on the compute thread, not the process's first thread, and
+    NOTE: Attend's kernel runs on a compute thread, not the process's first thread, and
     libgomp (torch's OpenMP on Linux) counts a team started there on top of that first
     thread: a team as wide as the CPUs makes it "throttled", and its workers sleep on a futex
-    between the kernel's many small parallel regions instead of spinning. On this 2-CPU host
-    the decode step of ``bench/rpc.py``'s attend section took 12-14 ms so (~80 futex waits a
-    call) against 5.5-8 ms on the first thread and 7.6-10.7 ms single-threaded; with the
-    daemon's whole serving history in the process, Attend went from 1.57-1.95 of its floor
-    to 1.22-1.45 (``docs/design.md``, "Attend's kernel and libgomp").
+    between the kernel's many small parallel regions instead of spinning. On this 2-CPU host a
+    decode step of ``bench/rpc.py``'s attend section took 12-14 ms so (~80 futex waits a
+    call), 5.5-8 ms on the first thread, 7.6-10.7 ms single-threaded and 7.4-8.5 ms in two
+    single-threaded halves (``docs/design.md``, "Attend's kernel and libgomp").
     """
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
-    cpus = len(os.sched_getaffinity(0))
-    torch.set_num_threads(max(1, cpus - 1))
+    torch.set_num_threads(1)
     return torch.get_num_threads()
+
+
+def compute_threads() -> int:
+    """How many threads run Attend's kernels: one per CPU this process may use."""
+    return len(os.sched_getaffinity(0))
 
 
 class DaemonCore:
@@ -72,9 +76,12 @@ class DaemonCore:
         # KV events for routers, per tenant (fed by the engine once it serves; SubscribeEvents)
         self.events = EventJournals([t.name for t in engine_config.tenants], self.epoch,
                                     config.events.ring_size, config.events.subscriber_queue)
-        # Attend's kernels, off the loop (``kv_rpc``'s NOTE): one thread, started at the first
-        # Attend; the daemon waits for it before it closes the engine (``server._shutdown``)
-        self.compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixd-attend")
+        # Attend's kernels, off the loop (``kv_rpc``'s NOTE), a batch split over the threads
+        # (``attend_job``), started at the first Attend; the daemon waits for them before it
+        # closes the engine (``server._shutdown``)
+        self.compute_threads = compute_threads()
+        self.compute = ThreadPoolExecutor(max_workers=self.compute_threads,
+                                          thread_name_prefix="prefixd-attend")
 
     def check_serving(self) -> None:
         """Raises UNAVAILABLE unless the daemon serves."""

@@ -23,8 +23,8 @@ A client that wants all or nothing sends one chunk (``max_message_bytes`` allows
 rewrites the range after fixing the cause: a write to private blocks is idempotent.
 
 NOTE (Attend's kernel leaves the loop): ``prepare_attend`` checks, writes the new K/V and
-builds the arguments on the loop, and returns the kernel as a callable the servicer runs on its
-compute thread (``DaemonCore.compute``; ``attend`` runs both inline, for tests). On a GPU the
+builds the arguments on the loop, and returns the kernel as an ``AttendJob`` the servicer runs
+in parts on its compute threads (``DaemonCore.compute``; ``attend`` runs it inline, for tests). On a GPU the
 launch is asynchronous and the wait is the output's copy to the host; on a CPU pool the reference kernel does the work: measured
 ~70 ms for a decode step of 16 sequences x 2k tokens of the tiny layout (4 layers, 2 KV heads,
 head_dim 64, float16) on the shared 2-core dev host, against ~1 ms of checks, tables and
@@ -35,16 +35,17 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import AsyncIterator, Callable, Iterator
+from typing import AsyncIterator, Iterator
 
 import torch
 
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.api.kv_frames import KVFrame, framed_kv_to_fill
-from prefixd.api.tensors import tensor_from_bytes, to_tensor_msg
+from prefixd.api.tensors import tensor_from_bytes
 from prefixd.api.tiers import Tier
-from prefixd.kernels import layer_kv, paged_attention, write_kv as write_layer_kv
+from prefixd.kernels import layer_kv, write_kv as write_layer_kv
 from prefixd.kernels.token_io import read_tokens
+from prefixd.daemon.attend_job import AttendJob
 from prefixd.daemon.status import RpcFailure, exhausted, invalid, not_found, precondition
 
 log = logging.getLogger(__name__)
@@ -272,7 +273,7 @@ def attend(session, request: pb.AttendRequest, max_bytes: int) -> pb.AttendReply
     return prepare_attend(session, request, max_bytes)()
 
 
-def prepare_attend(session, request: pb.AttendRequest, max_bytes: int) -> Callable[[], pb.AttendReply]:
+def prepare_attend(session, request: pb.AttendRequest, max_bytes: int) -> AttendJob:
     """Paged attention over one layer of the session's device pool for a batch of sequences:
     checks, writes the new K/V and builds the kernel's arguments now (on the loop), and returns
     the rest (the kernel and the reply's encoding), which may run on a worker thread.
@@ -291,8 +292,9 @@ def prepare_attend(session, request: pb.AttendRequest, max_bytes: int) -> Callab
     reused within its own tenant's pool, which a mapped client can read anyway).
 
     Returns:
-        A callable returning the ``AttendReply``, whose ``output`` is shaped like ``query``,
-        in the layout's dtype.
+        The kernel's work (``attend_job.AttendJob``): called, it returns the ``AttendReply``,
+        whose ``output`` is shaped like ``query``, in the layout's dtype; the servicer runs it
+        in parts on its compute threads.
 
     Raises:
         RpcFailure: NOT_FOUND (session ended, a sequence it does not own); INVALID_ARGUMENT
@@ -365,13 +367,4 @@ def prepare_attend(session, request: pb.AttendRequest, max_bytes: int) -> Callab
     loc = None
     if extend:
         loc = torch.tensor(list(request.query_start_loc), dtype=torch.int32, device=device)
-    query = q.to(device)
-
-    def compute() -> pb.AttendReply:
-        out = paged_attention(query, k_cache, v_cache, tables, seq_lens, query_start_loc=loc,
-                              scale=scale, max_seq_len=max(lens), max_query_len=max(counts))
-        reply = pb.AttendReply()
-        to_tensor_msg(out, out=reply.output)  # in place: see prefixd.api.tensors
-        return reply
-
-    return compute
+    return AttendJob(q.to(device), k_cache, v_cache, tables, seq_lens, loc, scale, lens, counts)

@@ -62,13 +62,15 @@ def test_the_loop_answers_other_calls_while_an_attend_kernel_runs(served, monkey
     real = kv_rpc.prepare_attend
 
     def held(session, request, max_bytes):
-        finish = real(session, request, max_bytes)
+        job = real(session, request, max_bytes)
+        run = job.run
 
-        def run():
+        def held_run(a, b):
             started.set()
             gate.wait(10)
-            return finish()
-        return run
+            return run(a, b)
+        job.run = held_run
+        return job
 
     monkeypatch.setattr(kv_rpc, "prepare_attend", held)
 
