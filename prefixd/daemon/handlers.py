@@ -46,8 +46,7 @@ def add_service(servicer, server, *, registered: bool = False) -> None:
     future per registered method plus one for generic calls, and re-arms them all on every
     call. With this service's 17 methods, health's 3 and reflection's 1 registered (22
     futures), that wait cost each call ~20 us of the event loop against ~11 with the generic
-    future alone. Generic
-    dispatch is one dict lookup in ``method_handlers_generic_handler``.
+    future alone. Generic dispatch is one dict lookup in ``method_handlers_generic_handler``.
     """
     handlers = {m.name: _handler(m, getattr(servicer, m.name)) for m in _SERVICE.methods}
     server.add_generic_rpc_handlers(

@@ -24,11 +24,12 @@ rewrites the range after fixing the cause: a write to private blocks is idempote
 
 NOTE (Attend's kernel leaves the loop): ``prepare_attend`` checks, writes the new K/V and
 builds the arguments on the loop, and returns the kernel as an ``AttendJob`` the servicer runs
-in parts on its compute threads (``DaemonCore.compute``; ``attend`` runs it inline, for tests). On a GPU the
-launch is asynchronous and the wait is the output's copy to the host; on a CPU pool the reference kernel does the work: measured
-~70 ms for a decode step of 16 sequences x 2k tokens of the tiny layout (4 layers, 2 KV heads,
-head_dim 64, float16) on the shared 2-core dev host, against ~1 ms of checks, tables and
-encoding around it -- long enough that the loop should not wait for it.
+in parts on its compute threads (``DaemonCore.compute``; ``attend`` runs it inline, for tests).
+On a GPU the launch is asynchronous and the wait is the output's copy to the host; on a CPU
+pool the reference kernel does the work: measured ~70 ms for a decode step of 16 sequences x
+2k tokens of the tiny layout (4 layers, 2 KV heads, head_dim 64, float16) on the shared 2-core
+dev host, against ~1 ms of checks, tables and encoding around it -- long enough that the loop
+should not wait for it.
 """
 
 from __future__ import annotations
