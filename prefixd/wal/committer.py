@@ -56,7 +56,17 @@ class CommitterLoop:
     """
 
     def _wait_for_work(self) -> None:
-        """Block (holding ``_cv``) until a group, a job, a due fsync or close needs the thread."""
+        """Block (holding ``_cv``) until a group, a job, a due fsync or close needs the thread.
+
+        NOTE (linger): for ``max_delay_s`` after a group, with nothing pending, the thread
+        waits on a timeout instead of "idle", and an append to the empty group does not wake
+        it (``GroupCommitter._add`` wakes an idle committer only): a record appended meanwhile
+        is still committed within ``max_delay_s`` of its append (the linger ends before that,
+        and the thread then waits out the rest), and a flush wakes it at once as always. On a
+        serving daemon the open of a request appended its record to an empty group, and woke
+        this thread only for it to set a timer, while the loop thread was busy with the same
+        request: a context switch and a taking of the GIL per request, for nothing.
+        """
         while True:
             if self._jobs or self._closing or self._flush_wanted or len(self._pending) >= self._max_group:
                 return
@@ -69,6 +79,11 @@ class CommitterLoop:
                 timeout = due if timeout is None else min(timeout, due)
             if timeout is not None and timeout <= 0:
                 return
+            if timeout is None:
+                linger = self._last_group_t + self._max_delay_s - now
+                if linger > 0:  # see the NOTE: appends meanwhile do not wake this thread
+                    self._cv.wait(linger)
+                    continue
             self._idle = timeout is None
             self._cv.wait(timeout)
             self._idle = False
@@ -146,6 +161,7 @@ class CommitterLoop:
         group, last, jobs, closing = taken
         if group:
             self._commit_group(group, last)
+            self._last_group_t = time.monotonic()
         for job, job_fut in jobs:
             self._run_job(job, job_fut)
         if self._committed_lsn > self._durable_lsn and (closing or time.monotonic() >= self._last_sync_t + self._interval_s):

@@ -103,6 +103,7 @@ class GroupCommitter(CommitterLoop):
         self._last_tickets = 0  # tickets the last group resolved (read by _gather)
         # --- committer thread only ---
         self._last_sync_t = 0.0
+        self._last_group_t = 0.0  # when the last group committed (the linger: committer.py)
         self._last_reader_check_t = time.monotonic()
         self._groups_since_reader_check = 0
         self._n_groups = self._n_records = self._last_size = self._n_syncs = self._n_checkpoints = 0

@@ -200,6 +200,42 @@ def test_unflushed_records_commit_after_max_delay(open_wal):
     assert wal.stats().durable_lsn == 1
 
 
+def test_a_record_appended_while_the_committer_lingers_commits_within_max_delay(open_wal):
+    """After a group the committer lingers on a timer (appends do not wake it: committer.py's
+    NOTE), and a record appended then is still committed within ``max_delay_ms``."""
+    wal = open_wal(max_delay_ms=300)
+    wal.append(Kind.DETACH, 1)
+    wal.flush().result(5)
+    t0 = time.monotonic()
+    wal.append(Kind.DETACH, 2)  # lands in the linger: nothing wakes the committer for it
+    while wal.stats().durable_lsn < 2 and time.monotonic() < t0 + 5:
+        time.sleep(0.005)
+    elapsed = time.monotonic() - t0
+    assert wal.stats().durable_lsn == 2
+    assert 0.2 <= elapsed < 0.3 + 0.5, elapsed  # waited for the delay, not much past it
+    wal.check_invariants()
+
+
+def test_the_committer_lingers_after_a_group_then_goes_idle(open_wal):
+    """Lingering (not idle: an append does not wake it) for ``max_delay_ms`` after a group,
+    then idle (no timer: an idle daemon's committer sleeps until an append wakes it)."""
+    wal = open_wal(max_delay_ms=300)
+    committer = wal._committer
+    wal.append(Kind.DETACH, 1)
+    wal.flush().result(5)
+    time.sleep(0.05)
+    assert not committer._idle
+    deadline = time.monotonic() + 5
+    while not committer._idle and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert committer._idle
+    wal.append(Kind.DETACH, 2)  # woken now, committed within the delay
+    t0 = time.monotonic()
+    while wal.stats().durable_lsn < 2 and time.monotonic() < t0 + 5:
+        time.sleep(0.005)
+    assert time.monotonic() - t0 < 0.3 + 0.5
+
+
 def test_group_cap_splits_a_large_pending_buffer(open_wal):
     wal = open_wal(max_group_records=16, max_delay_ms=10_000)
     gate = threading.Event()
