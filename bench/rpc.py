@@ -256,6 +256,7 @@ def run(args) -> dict:
     if attend is not None:
         floor["attend_us"] = attend.pop("floor_us")
         floor["attend_kernel_us"] = attend.pop("floor_kernel_us")
+        floor["attend_by_threads"] = attend.pop("floor_by_threads")
         result["attend"] = attend
     result["rpc"], result["floor"] = rpc, floor
     result["ratios"] = {

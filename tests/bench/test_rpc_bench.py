@@ -69,6 +69,11 @@ def test_rpc_bench_quick_prints_every_judged_key():
         assert _positive(out["floor"][key]), key
     assert _positive(out["kv"]["mapped_gbps"]) and _positive(out["kv"]["rpc_gbps"])
     assert _positive(out["attend"]["rpc_us"])
+    # the floor is the faster of the in-process call with torch's threads and with one
+    modes = out["floor"]["attend_by_threads"]
+    assert sorted(m["threads"] for m in modes)[0] == 1 and len(modes) == 2
+    assert out["floor"]["attend_us"] == min(m["us"] for m in modes)
+    assert out["floor"]["attend_kernel_us"] in [m["kernel_us"] for m in modes]
     assert out["eight_clients"]["workers"] == 8 and out["eight_clients"]["phases"] == 3
     for side in ("rpc", "floor"):  # one rate per phase, and the side's rate over all of them
         runs = out["eight_clients"][side]
