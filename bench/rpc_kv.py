@@ -50,7 +50,7 @@ PREFIX_TOKENS = 2048
 # rpc, the floor with torch's threads, the floor with one), each kind first in turn. Timed one
 # after the other, each rpc ran while this process's OpenMP worker still spun after the floor's
 # kernel (libgomp spins ~ms before it sleeps), on a 2-CPU host: traced in the daemon, the two
-# halves of its kernel took 3.3-11 ms where they take 3.7 ms alone, and rpc_us was 9.7-11.3 ms
+# halves of its kernel took 3.2-11 ms where they take 3.7 ms alone, and rpc_us was 9.7-11.3 ms
 # against 5.9-6.2 ms in blocks (three runs each, alternating). The floor's own kernel is bimodal
 # here: its two-thread team took 5.3-5.5 or 12 ms, run to run (slower than one thread's
 # 5.8 ms when the scheduler puts both on one CPU), so the floor is the faster of the two
