@@ -36,6 +36,12 @@ def roundtrip(socket: str) -> dict:
     layout = KVLayout("connector-roundtrip", num_layers, num_kv_heads, head_dim, "bfloat16", bs)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
     isa = _get_attn_isa(dtype, bs, head_dim)
+    if isa == "amx":
+        # NOTE: Linux gives a process AMX's tile registers only once it asks
+        # (arch_prctl XCOMP_PERM); without that the first tile instruction is SIGILL.
+        # A vLLM engine has asked by the time its attention runs (oneDNN's matmuls ask
+        # on first use); this child calls the kernels bare, so it asks as torch does.
+        torch._C._cpu._init_amx()
     g = torch.Generator().manual_seed(0)
     n_tokens = 3 * bs + 5
     tokens = torch.randint(0, 50000, (n_tokens,), generator=g).tolist()
