@@ -61,11 +61,13 @@ class BenchDaemon:
         sync: ``[engine] sync`` (``"commit"``: what ``bench/rpc.py`` measures; ``rpc_cpu.py``
             also runs ``"none"``, a daemon whose commits never wait for an fsync).
         cpus: the CPUs the daemon process runs on (``bench/affinity.py``); None: all.
+        env: more environment variables for the daemon process (``rpc_ablate.py``'s
+            ``PREFIXD_ABLATE``).
     """
 
     def __init__(self, blocks: tuple[int, int, int], tiny: tuple[str, int],
                  profile: str | None = None, entry: list[str] | None = None, sync: str = "commit",
-                 cpus: frozenset[int] | None = None) -> None:
+                 cpus: frozenset[int] | None = None, env: dict[str, str] | None = None) -> None:
         self.base = tempfile.mkdtemp(prefix="pdb-", dir="/tmp")
         self.shm = tempfile.mkdtemp(prefix="prefixd-bench-", dir="/dev/shm")
         self.state_dir = os.path.join(self.base, "state")
@@ -79,6 +81,7 @@ class BenchDaemon:
         self.profile = profile
         self.entry = entry or ["-m", "prefixd.daemon.cli"]  # rpc_stages.py: a probing wrapper
         self.cpus = cpus
+        self.env = dict(env or {})
         self.proc: subprocess.Popen | None = None
         self._log = None
 
@@ -89,7 +92,7 @@ class BenchDaemon:
             [sys.executable, *prof, *self.entry, "serve", "--config",
              self.config_path, "--state-dir", self.state_dir, "--socket", self.socket],
             stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
-            env=dict(os.environ, PYTHONPATH=ROOT), preexec_fn=preexec(self.cpus))
+            env=dict(os.environ, **self.env, PYTHONPATH=ROOT), preexec_fn=preexec(self.cpus))
         try:
             wait_serving(self.proc, self.socket, 120.0, self.log)
         except BaseException:
