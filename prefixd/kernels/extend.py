@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from prefixd.kernels.attend_step import attend_step
 from prefixd.kernels.checks import check_attention_args
 from prefixd.kernels.launch import cdiv, is_interpreted, kernel_for, next_power_of_2
 
@@ -95,27 +96,11 @@ def _paged_extend_kernel(
     for n in range(0, kv_end, BLOCK_N):
         offs_n = n + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_end
-        slot = tl.load(table + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
-        within = (offs_n % BLOCK_SIZE).to(tl.int64)
-        mask_kv = mask_n[:, None] & mask_d[None, :]
-        k_off = slot * stride_k_block + within * stride_k_tok
-        k = tl.load(k_base + k_off[:, None] + offs_d[None, :], mask=mask_kv, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         # Key 0 is visible to every row, so each row's first step has a finite maximum.
         visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_off = slot * stride_v_block + within * stride_v_tok
-        v = tl.load(v_base + v_off[:, None] + offs_d[None, :], mask=mask_kv, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = attend_step(q, acc, m_i, l_i, k_base, v_base, table, offs_n, mask_n, visible,
+                                    offs_d, mask_d, stride_k_block, stride_k_tok, stride_v_block, stride_v_tok,
+                                    qk_scale, BLOCK_SIZE, UPCAST, DOT_PRECISION)
 
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = (q_start + row_tok) * stride_o_tok + row_head * stride_o_head
