@@ -270,6 +270,18 @@ def run(args) -> dict:
     return result
 
 
+def save_json(result: dict, path: str | None) -> None:
+    """Write ``result`` to ``path`` (a bench's ``--out``) as indented JSON; nothing when None."""
+    if path:
+        pathlib.Path(path).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def emit_json(result: dict, path: str | None) -> None:
+    """``save_json``, then the same JSON on stdout (the rpc benches' last step)."""
+    save_json(result, path)
+    print(json.dumps(result, indent=2))
+
+
 def print_profile(path: str, top: int = 30) -> None:
     stats = pstats.Stats(path, stream=sys.stderr)
     stats.sort_stats("tottime").print_stats(top)
@@ -299,10 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         args.profile = os.path.abspath(args.profile)
     result = run(args)
-    text = json.dumps(result, indent=None if args.json else 2)
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(text)
+    save_json(result, args.out)
+    print(json.dumps(result, indent=None if args.json else 2))
     if args.profile:
         print_profile(args.profile)
     return 0

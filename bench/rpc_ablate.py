@@ -26,7 +26,6 @@ prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import platform
@@ -177,10 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.phases, args.requests, args.rounds) < 1:
         parser.error("--phases, --requests and --rounds must be >= 1")
+    from rpc import emit_json
+
     result = run(args.phases, args.requests, args.rounds)
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    emit_json(result, args.out)
     return 0
 
 

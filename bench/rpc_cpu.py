@@ -24,7 +24,6 @@ object. A diagnosis for ``rps_8``, not a criterion: no ratio here is judged.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import pathlib
 import platform
@@ -161,10 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.phases < 1 or args.requests < 1:
         parser.error("--phases and --requests must be >= 1")
+    from rpc import emit_json
+
     result = run(args.phases, args.requests)
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
+    emit_json(result, args.out)
     return 0
 
 

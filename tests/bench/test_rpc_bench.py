@@ -103,17 +103,19 @@ def test_rpc_stages_prints_every_stage():
             assert _positive(out[part][key]), (part, key)
 
 
-def test_rpc_cpu_prints_each_sides_rate_and_cpu():
+def test_rpc_cpu_prints_each_sides_rate_and_cpu(tmp_path):
     """``bench/rpc_cpu.py`` with the smallest counts: the echo floor, the committing daemon and
     the ``sync = "none"`` daemon each get a rate, the clients' CPU and the server's by thread
     (read from ``/proc`` in clock ticks of 10 ms: a daemon's loop thread, its main thread,
     always has some after 8 attaches and 160 requests; the echo server's 160 pairs may fall
-    under one tick on a fast host)."""
+    under one tick on a fast host). ``--out`` holds the same object as stdout."""
+    saved = tmp_path / "cpu.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "rpc_cpu.py"),
-                           "--phases", "1", "--requests", "4"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=540)
+                           "--phases", "1", "--requests", "4", "--out", str(saved)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout)
+    assert json.loads(saved.read_text()) == out
     assert set(out["sides"]) == {"echo", "daemon_commit", "daemon_sync_none"}
     for name, side in out["sides"].items():
         assert side["requests"] == 8 * 4, name
