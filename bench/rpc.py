@@ -1,7 +1,7 @@
-"""The daemon's cost over a bare gRPC + LMDB floor, in one run (issue 11 item 10).
+"""The daemon's cost over a bare gRPC + LMDB floor, in one run.
 
 Starts its own ``prefixd serve`` (``[engine] sync = "commit"``, state in a short ``/tmp``
-directory, pools in ``/dev/shm``) and a bare ``grpc.aio`` echo server (``rpc_echo.py``), each in
+directory, pools in ``/dev/shm``) and a bare ``grpc.aio`` echo server (``rpc_parts/rpc_echo.py``), each in
 its own process on a Unix socket, and prints one JSON object:
 
 - ``rpc.p50_us`` / ``rpc.p99_us``: one client (``prefixd.client``), gsp requests: ``open`` of
@@ -21,9 +21,8 @@ its own process on a Unix socket, and prints one JSON object:
   them); ``floor.rps_8``: 8 processes doing the echo pairs (no LMDB commit: the daemon must
   share its fsyncs among the 8 clients' commits to get near). ``--phases`` (3) alternations of
   the two, each on fresh prompts; a side's rate is its requests over its measured seconds, its
-  ``client_cpu_us`` the client processes' CPU per request meanwhile (``rpc_cpu.py`` adds the
-  servers' CPU by thread).
-- ``kv.*`` and ``attend.*``: see ``rpc_kv.py`` (layout ``tiny-llama``: 4 layers x 2 KV heads x
+  ``client_cpu_us`` the client processes' CPU per request meanwhile.
+- ``kv.*`` and ``attend.*``: see ``rpc_parts/rpc_kv.py`` (layout ``tiny-llama``: 4 layers x 2 KV heads x
   head dim 64, fp16, block 16).
 
 Usage: ``python bench/rpc.py --json [--quick] [--rounds N] [--phases N] [--out PATH]
@@ -47,9 +46,9 @@ import time
 
 BENCH = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
-sys.path.insert(0, str(BENCH))
+sys.path.insert(0, str(BENCH / "rpc_parts"))  # its parts: the daemon, the echo floor, the loops
 
-from affinity import parse_cpus  # noqa: E402 - bench/ on the path first
+from affinity import parse_cpus  # noqa: E402 - rpc_parts/ on the path first
 
 SECTIONS = ("rpc", "rps8", "kv", "attend")
 GSP_LAYOUT = dict(model_id="bench-rpc", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16",

@@ -1,4 +1,4 @@
-"""SmolLM2 in vLLM: no connector, prefixd's connector, vLLM's ExampleConnector (issue 14 item 3).
+"""SmolLM2 in vLLM: no connector, prefixd's connector, vLLM's ExampleConnector.
 
 gsp-shaped chat requests scaled to a 2-core CPU host (``prefixd.tools.chat_requests``:
 ``--systems`` system prompts of ~``--system-tokens`` tokens x ``--questions`` questions of ~100
@@ -19,7 +19,7 @@ every hit in a phase comes from its connector:
    both see the same host load over the same minutes;
 5. ``after_daemon_restart``: the daemon SIGKILLed and restarted on its state, a fresh vLLM.
 
-NOTE: the turns (issue 14 follow-up): the run of record had the external and ExampleConnector
+NOTE: the turns: the run of record had the external and ExampleConnector
 phases minutes apart, one pass each, on a host whose load went 8-11: single requests 1.87-3.59 s
 against 1.89-2.78 s, a spread wider than the difference being judged.
 

@@ -1,5 +1,5 @@
 """Smoke test of ``bench/cluster.py``: it runs against a real cluster and prints every key the
-issue judges (issue 15 item 5). Speed is never asserted here (the bench prints it)."""
+bench's targets judge. Speed is never asserted here (the bench prints it)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from prefixd.wal.codec import decode, unpack_key
 from prefixd.wal.env import MAX_DBS
 from prefixd.wal.kinds import Kind
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CONFIG = """
 [engine]
@@ -57,12 +57,11 @@ class BenchDaemon:
         profile: a path: run the daemon under ``python -m cProfile -o profile`` (written at
             the clean stop).
         entry: what follows the interpreter instead of ``-m prefixd.daemon.cli`` (a script
-            that wraps the daemon, as ``rpc_stage_probe.py``).
-        sync: ``[engine] sync`` (``"commit"``: what ``bench/rpc.py`` measures; ``rpc_cpu.py``
-            also runs ``"none"``, a daemon whose commits never wait for an fsync).
-        cpus: the CPUs the daemon process runs on (``bench/affinity.py``); None: all.
-        env: more environment variables for the daemon process (``rpc_ablate.py``'s
-            ``PREFIXD_ABLATE``).
+            that wraps the daemon).
+        sync: ``[engine] sync`` (``"commit"``: what ``bench/rpc.py`` measures; ``"none"``: a
+            daemon whose commits never wait for an fsync).
+        cpus: the CPUs the daemon process runs on (``affinity.py``); None: all.
+        env: more environment variables for the daemon process.
     """
 
     def __init__(self, blocks: tuple[int, int, int], tiny: tuple[str, int],
@@ -79,7 +78,7 @@ class BenchDaemon:
             f.write(CONFIG.format(shm=self.shm, device=device, host=host, disk=disk,
                                   tiny=tiny[0], tiny_device=tiny[1], sync=sync))
         self.profile = profile
-        self.entry = entry or ["-m", "prefixd.daemon.cli"]  # rpc_stages.py: a probing wrapper
+        self.entry = entry or ["-m", "prefixd.daemon.cli"]
         self.cpus = cpus
         self.env = dict(env or {})
         self.proc: subprocess.Popen | None = None

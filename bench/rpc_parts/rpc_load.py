@@ -3,7 +3,7 @@ echo pairs and LMDB commits; each as a plain function (the one-client rounds) an
 process body (the 8-client runs, forked from a ``multiprocessing`` forkserver and released
 together by a barrier once every worker has connected and warmed up).
 
-A gsp request here is what issue 11 item 10 names: ``open`` of the prompt (2,176 tokens), then
+A gsp request here is what `bench/rpc.py` times: ``open`` of the prompt (2,176 tokens), then
 ``release`` with commit at durability ``crash`` (the reply waits for the WAL fsync).
 """
 

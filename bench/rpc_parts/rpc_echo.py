@@ -10,7 +10,7 @@ Three methods of service ``bench.Echo``:
 - ``Upload`` (client stream): takes every chunk, replies 8 bytes (the total).
 - ``Download`` (server stream): the request is the chunk sizes (u64 each); one reply per size.
 
-Run as ``python bench/rpc_echo.py SOCKET``; it prints ``ready`` once it listens and serves until
+Run as ``python bench/rpc_parts/rpc_echo.py SOCKET``; it prints ``ready`` once it listens and serves until
 SIGTERM.
 """
 
@@ -87,7 +87,7 @@ class EchoServer:
 
     def __init__(self, path: str, cpus: frozenset[int] | None = None) -> None:
         self.path = path
-        self.cpus = cpus  # the CPUs it runs on (bench/affinity.py); None: all
+        self.cpus = cpus  # the CPUs it runs on (affinity.py); None: all
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "EchoServer":
