@@ -2,7 +2,7 @@
 (``WriteKVRequest``, ``ReadKVReply``) and decoding one without copying its KV bytes.
 
 The bytes of a ``KVChunk`` are most of such a message (4 MiB for a 2k-token tiny prefix), so
-every copy of them costs the same order as the socket (bench/rpc.py ``kv.rpc_gbps``). gRPC
+every copy of them costs the same order as the socket itself. gRPC
 hands a receiver one ``bytes`` object per message; protobuf (upb) would copy the KV twice out
 of it (``FromString`` copies the whole message into its arena, and every read of a ``bytes``
 field copies again). ``decode_kv_frame`` copies neither: the chunk's ``data`` stays a

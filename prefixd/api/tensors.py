@@ -12,9 +12,8 @@ and protobuf takes a ``bytes`` object), plus one from device to host for a CUDA 
 NOTE (build messages in place): pass the reply's own field as ``out``
 (``to_kv_chunk(..., out=reply.chunk)``), never a finished message to a constructor
 (``ReadKVReply(chunk=...)``): protobuf (upb) deep-copies a submessage handed to a constructor,
-measured at 3.5-40 ms for a 4 MiB chunk on the (loaded) dev host, while assigning ``bytes`` to a
-field of the reply, or ``CopyFrom`` into it, took 0.2 ms. Reading a ``bytes`` field copies at
-every access: read it once.
+an order of magnitude slower for a 4 MiB chunk than assigning ``bytes`` to a field of the
+reply, or ``CopyFrom`` into it. Reading a ``bytes`` field copies at every access: read it once.
 The KV rpcs' messages skip protobuf for the KV bytes altogether: ``prefixd.api.kv_frames``.
 
 NOTE: like ``KVLayout.torch_dtype``, torch is imported inside the functions: ``prefixd.api``

@@ -186,8 +186,7 @@ class Tiering:
                 pos += n.num_blocks
             # NOTE: a run's checksums are taken when it first goes to DISK, the one tier whose
             # blocks are checked (at recovery, or on first load); hashing host copies as well
-            # hashed every block twice, cost the engine bench's commit ~20 us a request, and
-            # gave numbers nothing read (docs/design.md, "Hashing once").
+            # would hash every block twice for numbers nothing reads.
             results = {}
             for src, (s, d) in by_src.items():
                 verify = self._checksums_of(chain, src) if src == DISK else None
@@ -253,10 +252,9 @@ class Tiering:
         per source tier: one snapshot and one writer job), else one run at a time, as many as
         fit (``write_down``'s best effort).
 
-        NOTE: one ``write_down`` per run was one store copy per run: with 512-byte blocks a
-        spill of 256 blocks made ~12 copies, each with its gather, hashing call, writer job and
-        range checks, as many copies as all the commits' host write-throughs together (the rpc
-        bench's daemon profile)."""
+        NOTE: one batch, not one ``write_down`` per run: each store copy carries its gather,
+        hashing call, writer job and range checks, and a spill of many short runs would pay
+        them once a run."""
         pending, self.pending_disk = self.pending_disk, []
         self.pending_disk_blocks = 0
         chains: list[list[Node]] = []

@@ -18,9 +18,8 @@ its last ``new_counts[r]`` columns as queries (left padding and tokens already c
 attended for), and only tokens at or past ``write_from[r]`` are written (a committed block is
 never stored into).
 
-Belongs with the client (it was ``prefixd.kernels.hf_attention`` until issue 13): it is the
-transformers side of the client's mapped pool. transformers is imported only by
-:func:`register_hf_attention`.
+Belongs with the client: it is the transformers side of the client's mapped pool.
+transformers is imported only by :func:`register_hf_attention`.
 """
 
 from __future__ import annotations

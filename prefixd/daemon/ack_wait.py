@@ -15,13 +15,11 @@ done); a cancelled handler cancels only its own loop future, and the commit goes
 that closed before the ticket resolved makes the callback a no-op (the daemon is stopping and
 nobody waits for that reply).
 
-NOTE: this replaced ``asyncio.shield(asyncio.wrap_future(ticket))``. ``wrap_future`` chains a
-cancellation back to the ticket (a cancelled call cancelled the engine's ticket and the
-committer's ``set_result`` then raised InvalidStateError), which is why the shield was there;
-and the pair took three loop turns after the wake-up (``_set_state``, the shield's inner
-callback, the task's wake-up) where one settle and the task's wake-up suffice, plus three
-turns even for a ticket that was already done. On the one-client bench the wake-up from the
-committer to the handler was 200-390 us (traced per stage, loaded 2-core host).
+NOTE: not ``asyncio.wrap_future(ticket)``. ``wrap_future`` chains a cancellation back to the
+ticket: a cancelled call would cancel the engine's ticket, and the committer's ``set_result``
+then raises InvalidStateError. Wrapping it in ``asyncio.shield`` avoids that but takes three
+loop turns after the wake-up (``_set_state``, the shield's inner callback, the task's wake-up)
+where one settle and the task's wake-up suffice, and three even for a ticket already done.
 """
 
 from __future__ import annotations

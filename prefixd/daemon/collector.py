@@ -4,14 +4,10 @@ Once the engine has recovered, the process holds a few hundred thousand objects 
 long as it does: torch's, gRPC's and every imported module's (~180k, the import of torch most of
 them), and the recovered index. CPython's full collection walks every tracked object each
 time the objects promoted since the last one pass a quarter of those already old: a walk of
-~200k objects, ~150-240 ms on the dev host, on the loop's thread, in the middle of serving.
+~200k objects, hundreds of milliseconds on the loop's thread, in the middle of serving.
 ``freeze_startup_heap`` collects once (the start-up's own garbage is freed, not frozen) and
 moves every survivor to the permanent generation (``gc.freeze``): later collections walk only
 what serving made, which a full collection still covers.
-
-Measured (a 100k-block state recovered, then 3,000 requests on one thread, 2 alternated pairs):
-collections took 262 and 297 ms in all, one of them 179 and 237 ms, against 9.8 and 6.5 ms
-in all and none over 5 ms with the freeze (docs/design.md, "The collector after recovery").
 
 NOTE: an object frozen here is never collected as cyclic garbage: a reference cycle among
 start-up objects that later dies stays in memory until the process exits (plain reference

@@ -7,10 +7,7 @@ ready-callback and timer than the stdlib's selector loop. ``PREFIXD_EVENT_LOOP=a
 the environment keeps the stdlib loop (to rule the loop out when something misbehaves);
 ``uvloop`` requires uvloop.
 
-NOTE: measured on the loaded 2-core dev host with ``bench/rpc.py``'s 8-client gsp load (open
-of 2,176 tokens, release with commit at ``crash``), alternating the two loops: the daemon's
-CPU per request went from 3,719-3,854 us to 3,062-3,375 us, the loop thread's from
-2,479-2,500 to 2,052-2,208 (docs/design.md, "Where one client's request goes"). Nothing in
+NOTE: uvloop cuts the daemon's CPU per request (docs/design.md, "Daemon"). Nothing in
 the daemon depends on the loop's kind: it uses only the asyncio API (signal handlers,
 ``call_soon_threadsafe``, ``run_in_executor``), which uvloop implements; ``grpc.aio`` runs on
 any asyncio loop.

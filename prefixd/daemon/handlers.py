@@ -38,7 +38,7 @@ def _handler(method, behaviour):
 def add_service(servicer, server, *, registered: bool = False) -> None:
     """Register every rpc of the service on ``server`` with ``servicer``'s methods, as a
     generic handler only (``registered=True`` registers each method too, as the generated
-    code does; ``bench/grpc_methods.py`` compares the two).
+    code does).
 
     Raises AttributeError when the servicer lacks one (every rpc must have a handler).
 

@@ -6,10 +6,8 @@ such chunk freed; then it raises its mmap threshold to that size and its trim th
 twice it (the dynamic ``M_MMAP_THRESHOLD`` / ``M_TRIM_THRESHOLD``). A ReadKV reply holds two
 buffers of its size at once on the loop thread (the framed ``bytes`` and gRPC's copy of them),
 and freeing both leaves a free top of the heap past that trim threshold: glibc hands it back
-to the OS, and the next reply faults every page of it in again. Measured on the dev host (4
-MiB ReadKV, tiny layout): 2,016 page faults per call on the loop thread and 13 ms of the
-daemon's CPU per call, against 0 faults and 6 ms with the thresholds below (the bench's bare
-echo server, sending the same bytes: 0 faults, 3.3 ms); WriteKV was not affected.
+to the OS, and the next reply faults every page of it in again, on the loop thread (about
+two thousand faults for a 4 MiB ReadKV; none with the thresholds below).
 
 NOTE (why fixed thresholds, and what they cost): setting either threshold turns glibc's
 dynamic adjustment off, so both are set: allocations up to ``MMAP_THRESHOLD`` (glibc's
@@ -93,8 +91,8 @@ _MALLINFO2 = _mallinfo2()
 
 def heap_stats() -> HeapStats | None:
     """The main process heap's use now, or None where the C library has no ``mallinfo2``.
-    It walks malloc's free lists, so its cost grows with fragmentation (~2 us on a small
-    heap, measured): called once per scrape or ``Stats``, never per request."""
+    It walks malloc's free lists, so its cost grows with fragmentation: called once per
+    scrape or ``Stats``, never per request."""
     if _MALLINFO2 is None:
         return None
     info = _MALLINFO2()

@@ -8,7 +8,7 @@ snapshot and counts a stale scrape (``prefixd_metrics_stale_scrapes_total``), so
 still sees the daemon and the watchdog, not the scrape, decides about a stuck loop.
 
 NOTE: a snapshot per scrape, not one refreshed by the tick task: an idle endpoint costs
-nothing, and a scrape's numbers are as of the scrape. Measured cost: see docs/design.md.
+nothing, and a scrape's numbers are as of the scrape.
 """
 
 from __future__ import annotations

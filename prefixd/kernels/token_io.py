@@ -18,21 +18,17 @@ NOTE (CPU copies stay in the calling thread): between CPU tensors every copy is 
 (``copy_into``: ``np.copyto`` over the same memory, bit for bit; dtypes numpy lacks move as
 integers of their size), not torch's ``copy_``, which splits a copy this size over its OpenMP
 team: a memory-bound copy over threads that wait on each other at a barrier is several times
-slower on a loaded host, in bursts (4 MiB, the tiny layout's 2k tokens, 2-core host at load
-4-9: ``copy_`` 0.2 ms or 3.5-8 ms by the minute, numpy 0.15-0.2 ms throughout). Scattered
+slower on a loaded host, in bursts, where numpy's single-thread copy stays steady. Scattered
 blocks are written by one numpy indexed assignment (``pool[slots] = src``: no temporary) and
-read run by run (an indexed read would make a temporary: 0.49 against 0.33 ms for 128
-scattered blocks). A CUDA pool keeps torch's copies (one kernel per run, or one indexed copy).
+read run by run (an indexed read would make a temporary). A CUDA pool keeps torch's copies (one kernel per run, or one indexed copy).
 The vLLM connector's block copies made the same choice (``prefixd.client.vllm.block_transfer``).
 
 NOTE (the numpy path takes numpy arrays): ``write_tokens_np`` / ``read_tokens_np`` do the CPU
 copies on ``numpy_view``s, so a caller that keeps its pool's view (the client's ``MappedPool``)
 makes a torch call or two per tensor of a write or read, where this path made ~15 (slices,
 ``unflatten``, ``permute`` and a numpy view per side of each run's copy). A torch call on
-caches that other work has just used costs tens of microseconds here (40-90 us cold against
-2-5 warm: the dispatcher's code and data), and the copies of a client are made between its
-own model's work: a mapped 4 MiB write took 7-18% less time, a read 0-18% (six alternated
-pairs, a harness that evicts the caches before each call).
+caches that other work has just used costs tens of microseconds (the dispatcher's code and
+data, cold), and the copies of a client are made between its own model's work.
 """
 
 from __future__ import annotations
@@ -149,8 +145,8 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     numpy's copy in this thread between CPU tensors (see the NOTE), torch's ``copy_`` else.
 
     NOTE (4 KiB aliasing): ``np.copyto`` moves each contiguous run with glibc's ``memmove``,
-    which copies a run of 2 KiB or more with ``rep movsb``; on the dev host's CPU (AMD EPYC,
-    Zen 3, glibc 2.36) that stalls when the destination sits 1-31 bytes past the source
+    which copies a run of 2 KiB or more with ``rep movsb``; on an AMD EPYC (Zen 3, glibc
+    2.36) that stalls when the destination sits 1-31 bytes past the source
     modulo 4 KiB: 4 MiB in 4 KiB runs took 2.5-6.6 ms instead of 0.2-0.3 (runs up to 256 KiB
     alike; flat copies of 1 MiB and more take another path and never stall). Pool blocks are
     page-aligned and malloc's buffers 16-byte aligned, so one buffer in 256 lands there: a

@@ -9,28 +9,24 @@ in the core's L2 cache. With CUDA on either side it is one gather per batch (sli
 Disk: one ``pwritev``/``preadv`` per run of consecutive disk slots (up to IOV_MAX buffers). A
 write hashes each source chunk (``CHUNK_BYTES``) and hands it to a helper thread to ``pwritev``
 while the next chunk is hashed. A read first asks the kernel for every run of the batch
-(``POSIX_FADV_WILLNEED``: measured 0.42-0.56 -> 0.71-0.79 of a cold sequential read with
-shuffled slots), then the helper threads read the batch in disk order, a piece of consecutive slots at a
+(``POSIX_FADV_WILLNEED``, so the kernel reads ahead in disk order for shuffled slots), then
+the helper threads read the batch in disk order, a piece of consecutive slots at a
 time, each into its own ~1 MiB staging buffer, hash it there (still in cache), check it against
 its expected checksum and copy it on, so a corrupt block never reaches the destination.
 
 NOTE: CPU copies are a Python loop over runs of ``ctypes.memmove`` (which drops the GIL), not
-``index_select``/``index_copy_``. Measured on this 2-core host with 2 MiB blocks: a contiguous
-``copy_`` 4-11 GB/s, ``memmove`` per block the same, ``index_select`` 0.3-5 GB/s and
-``index_copy_`` 1-3 GB/s (both erratic under load), scattered-to-scattered gather + scatter
-0.5-1 GB/s. The loop costs ~1 us per run, noise next to a block of more than a few KiB.
+``index_select``/``index_copy_``: a ``memmove`` per block runs at a contiguous ``copy_``'s
+bandwidth, while torch's indexed copies are several times slower and erratic on a loaded
+host. The loop costs ~1 us per run, noise next to a block of more than a few KiB.
 
 NOTE: a batch of at most ``INLINE_BYTES`` runs on the calling thread, as one numpy gather and
 one scatter (a read from disk: one staged read per piece): handing it to the helper threads and
 waiting for their Futures cost more than the copy (a profile of 512-byte blocks showed most of
-a request waiting on such Futures), and a ``memmove`` per scattered 512-byte block cost ~2 us.
-Measured here (host copy with checksums, scattered slots, median of 30, busy 2-core host):
-512 B blocks x 16 / 256 / 1024 / 4096: inline 15 / 146 / 388 / 6261 us, helpers 185 / 688 /
-5233 / 20076 us; 64 KiB blocks x 1 / 4 / 16 / 64: inline 16 / 55 / 149 / 1259 us, helpers 63 /
-85 / 163 / 1175 us. Helpers start to pay past ~1 MiB of big blocks, hence 1 MiB.
+a request waiting on such Futures), and a ``memmove`` per scattered 512-byte block costs ~2 us.
+The helpers start to pay past about 1 MiB of big blocks, hence 1 MiB.
 
-NOTE: copy-then-hash per L2 piece, not hash-after-batch: hashing a 128 MiB batch from DRAM
-after copying it cost ~40% of the copy bandwidth, per piece ~15-25%.
+NOTE: copy-then-hash per L2 piece, not hash-after-batch: a piece is hashed while it is still
+in cache, where hashing a whole batch after the copy reads it from DRAM a second time.
 """
 
 from __future__ import annotations
@@ -186,9 +182,8 @@ def _gather_inline(src_rows, src_slots: Sequence[int], dst_rows, dst_slots: Sequ
 
     NOTE: a destination that is one run of slots (what an allocator mostly hands out for a
     write-down) is gathered straight into it: ``take(out=)`` into the slice, with the indices
-    as an array. The list-indexed scatter this replaces was most of the engine bench's host
-    write-through (callgrind, 23 blocks of 512 bytes: gather 21k + scatter 45k instructions,
-    now 18k); numpy converting a list of Python ints element by element is the rest.
+    as an array: a list-indexed scatter makes numpy convert a list of Python ints element
+    by element, which for small blocks costs more than the copy.
     ``mode="clip"``: under ``mode="raise"`` numpy buffers ``out`` (a hidden temporary).
     """
     n = len(dst_slots)

@@ -6,18 +6,15 @@ in a shared-memory directory (``/dev/shm``), so clients can map it and its bytes
 crash (not a reboot). ``DiskPool`` is a pool file in the state directory, moved with
 ``pread``/``pwrite`` and made durable with one ``fdatasync`` per batch.
 
-NOTE: disk pools are not mapped. Measured on this host, ``pwrite`` + ``fsync`` and writes
-through a mapping + ``msync`` cost the same, and cold ``preadv`` is within noise of a cold mapped
-read; but a mapped disk file that is truncated behind our back turns the next load into SIGBUS,
+NOTE: disk pools are not mapped. ``pwrite`` + ``fsync`` and writes through a mapping +
+``msync`` cost the same, and cold ``preadv`` is within noise of a cold mapped read; but a mapped disk file that is truncated behind our back turns the next load into SIGBUS,
 which kills the daemon, while ``preadv`` just returns short and the block fails its checksum.
 
 NOTE: a pool file is mapped with ``MAP_POPULATE`` (``POPULATE``): its pages are in this
 process's page tables from the start, as a GPU host's pinned pool is (``cudaHostRegister``
-faults every page in). A page fault costs what a 4 KB copy costs dozens of times over (on the
-dev host: 9 us a fault, 2.4 s to touch a fresh 1 GB mapping, against 0.19 s to populate it),
-and without it the first touch of every page of the pool, after every start, paid one on the
-serving path: the engine bench's 8-block write-through gather took 25 us on fresh pages and 3
-on mapped ones (docs/design.md, "Pools are mapped populated").
+faults every page in). A page fault costs what a 4 KB copy costs dozens of times over, and
+without it the first touch of every page of the pool, after every start, pays one on the
+serving path (docs/design.md, "Storage").
 """
 
 from __future__ import annotations

@@ -4,9 +4,8 @@ A copy from a memory tier into DISK under write-behind snapshots the source rows
 thread (the source slots may be reused as soon as the copy returns) and hands the snapshot to the
 disk writer thread, which ``pwritev``s it and is then done with it. ``numpy.take`` into a fresh
 array paid a page fault per 4 KiB page of every snapshot (a fresh large allocation is a new
-mapping: the kernel zeroes each page on first touch): measured ~100-330 ms per 45-90 MiB spill
-on the loaded 2-core host, several times the gather itself. These buffers are touched once and
-reused, so a spill costs the gather's memcpy only.
+mapping: the kernel zeroes each page on first touch), several times the cost of the gather
+itself. These buffers are touched once and reused, so a spill costs the gather's memcpy only.
 
 NOTE: more than one buffer, because the writer may still hold the last snapshot while the next
 spill fills another (the writer accepts up to ``MAX_PENDING_BYTES`` queued); a buffer is handed
@@ -63,8 +62,8 @@ class SpillBuffers:
         with self._lock:
             # the smallest idle buffer that fits, by position (``list.remove`` compares arrays
             # with ``==``); NOTE: ``len`` and a plain loop, not ``min(key=...)`` over
-            # ``shape[0]``: with 512-byte blocks a spill lends one buffer per run, dozens sit
-            # idle, and the key calls were a tenth of the engine bench's commit instructions
+            # ``shape[0]``: with small blocks a spill lends one buffer per run, dozens sit
+            # idle, and a key call per buffer per lend shows in every commit
             idle = self._idle
             best, best_rows = -1, 0
             for i, b in enumerate(idle):

@@ -107,8 +107,8 @@ def run_requests(model, requests: list[ChatRequest], daemon: DaemonProc, *, new_
 def set_threads(requested: int | None) -> int:
     """Set torch's intra-op threads: ``requested``, else 1 on a host busier than its cores.
 
-    NOTE: on the shared 2-core dev host (load ~10) a 256-token SmolLM2 forward took 27 s with
-    torch's 2 threads and 8 s with 1: its threads spin-wait for each other while other
+    NOTE: on a host busier than its cores, a SmolLM2 forward with torch's threads takes
+    several times as long as with one: its threads spin-wait for each other while other
     processes hold the cores. An idle host keeps torch's default (every core).
     """
     import torch

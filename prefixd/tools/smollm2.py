@@ -6,7 +6,7 @@ Face directory under the cache directory and ``load()`` loads that directory aft
 
     model, tokenizer = load()            # converts on first use (~1-2 min on a loaded host)
 
-The directory is what vLLM and transformers both accept (issue 14): ``model.safetensors`` in
+The directory is what vLLM and transformers both accept: ``model.safetensors`` in
 bf16 holding ``model.embed_tokens.weight`` (the tied embedding; ``lm_head`` is tied to it),
 ``config.json`` without the GGUF ``quantization_config``, and the tokenizer's files.
 

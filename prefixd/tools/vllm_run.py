@@ -29,7 +29,7 @@ NOTE: vLLM's own prefix cache (APC) is off by default (``--prefix-caching`` turn
 prompts share system prompts, and with APC a second question to a system would be served
 from this process's own cache, so the run would not show what the connector brings. The
 engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): a second interpreter
-importing vLLM costs ~30 s on the 2-core dev host, and a ``kill -9`` of this pid is then a
+importing vLLM costs tens of seconds on a small CPU host, and a ``kill -9`` of this pid is then a
 kill of all of vLLM.
 """
 

@@ -2,8 +2,8 @@
 
 A ticket belongs to an lsn, not to a group: with a producer ahead of the disk the pending
 records are cut into groups of ``max_group_records``, and a ticket shared by everything pending
-would resolve only with the last of them, holding its waiter one group too long (the WAL bench
-lost a third of its throughput to that idle pipeline).
+would resolve only with the last of them, holding its waiter one group too long and leaving
+the pipeline idle meanwhile.
 
 Not thread-safe by itself: the group committer calls it under its lock and resolves the
 Futures it hands back outside the lock.
@@ -29,8 +29,8 @@ def done(value) -> Future:
 # NOTE: one resolved ``None`` ticket for every call that has nothing to wait for (a release
 # without commit: every request's last call). A finished Future never changes again (``cancel``
 # returns False, ``set_result`` raises, a done-callback runs at once and is not kept), so
-# sharing it is safe; a fresh one cost ~19k instructions (Future + its Condition + set_result),
-# 3% of a gsp request in the engine bench.
+# sharing it is safe, and a fresh one (a Future, its Condition, ``set_result``) on every
+# request's last call would be pure overhead.
 DONE_NONE: Future = done(None)
 
 
