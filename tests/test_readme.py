@@ -1,5 +1,6 @@
-"""The README works as written: its configuration samples load, and a newcomer who runs the
-daemon, the "Attach from Python" snippet and ``prefixctl status`` gets what it says."""
+"""The README works as written: its configuration samples (and those of docs/engine.md) load,
+and a newcomer who runs the daemon, the "Attach from Python" snippet and ``prefixctl status``
+gets what it says."""
 
 import contextlib
 import io
@@ -10,13 +11,19 @@ import re
 from prefixd.daemon import settings
 from prefixd.engine import EngineConfig, Tenant
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+ENGINE_DOC = ROOT / "docs" / "engine.md"  # the in-process engine's page, moved out of the README
+
+
+def toml_samples(path: pathlib.Path) -> list[str]:
+    return re.findall(r"```toml\n(.*?)```", path.read_text(), re.S)
 
 
 def test_readme_toml_sample_loads():
-    samples = re.findall(r"```toml\n(.*?)```", README.read_text(), re.S)
-    assert samples, "the README shows no TOML sample"
-    for sample in samples:
+    assert toml_samples(README), "the README shows no TOML sample"
+    assert toml_samples(ENGINE_DOC), "docs/engine.md shows no TOML sample"
+    for sample in toml_samples(README) + toml_samples(ENGINE_DOC):
         config = EngineConfig.from_toml(sample.encode())
         if "[engine.cluster]" in sample:  # "Share prefixes across hosts"
             assert config.tenants == (Tenant("default", "same-on-every-host"),)

@@ -14,7 +14,7 @@ NOTE: a pool file is mapped with ``MAP_POPULATE`` (``POPULATE``): its pages are 
 process's page tables from the start, as a GPU host's pinned pool is (``cudaHostRegister``
 faults every page in). A page fault costs what a 4 KB copy costs dozens of times over, and
 without it the first touch of every page of the pool, after every start, pays one on the
-serving path (docs/design.md, "Storage").
+serving path (docs/design.md, "Storage tiers").
 """
 
 from __future__ import annotations
