@@ -11,9 +11,8 @@ NOTE (why split): the daemon runs torch with one intra-op thread (``core.limit_i
 libgomp throttles an OpenMP team started off the process's first thread), so a CPU pool's
 kernel gains its parallelism here, from threads that each take some of the sequences. The
 sequences of a batch are independent, and each part is the same kernel over fewer of them: the
-output is bit-identical to the whole batch's (tested). On this 2-CPU host a decode step of
-16 x 2k tokens took 7.4-8.5 ms in two halves against 9.1-12.2 ms whole. A CUDA pool is never
-split: its kernel is one launch.
+output is bit-identical to the whole batch's (tested). A CUDA pool is never split: its kernel
+is one launch.
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ trees use (``_Walk.finish``). It checks no key order (but the free list's) and n
 damaged order or count makes LMDB or the records' checksums refuse the file, typed; a read past
 the file or one of LMDB's assertions kills the process.
 
-``lmdb.verify`` (py-lmdb's full offline verifier) checks all of that too, but took 4-8x as long
-on a 1M-block state (0.19-0.29 s against 30-60 ms, warm), which added 0.2 s to a 0.5 s cold
-recovery; ``prefixctl verify`` runs it, offline (docs/design.md, "Write-ahead log").
+``lmdb.verify`` (py-lmdb's full offline verifier) checks all of that too, but takes several
+times as long on a large state, too long for every start; ``prefixctl verify`` runs it,
+offline (docs/design.md, "Write-ahead log").
 
 Layout (LMDB data format 1, a 64-bit little-endian build): a page is a 16-byte header
 (``mp_pgno`` u64, ``mp_pad`` u16, ``mp_flags`` u16, then ``mp_lower`` / ``mp_upper`` u16, or for
