@@ -95,11 +95,11 @@ def _one_circle(graph: dict[str, set[str]], group: list[str]) -> list[str]:
         following = []
         for node in frontier:
             for target in sorted(graph[node] & members):
-                if target == first:
+                if target == first:  # node != first: the graph has no self-edges
                     path = [node]
                     while path[-1] != first:
                         path.append(came_from[path[-1]])
-                    return [first] + path[::-1][1:] + [first] if len(path) > 1 else [first, node, first]
+                    return path[::-1] + [first]
                 if target not in came_from:
                     came_from[target] = node
                     following.append(target)

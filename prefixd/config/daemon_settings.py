@@ -34,9 +34,9 @@ policies, tenants), ``[daemon]`` is this::
     mode = "0660"
 
 Every tenant of ``[[engine.tenants]]`` gets a socket: the one listed here, or
-``<socket dir>/<tenant>.sock`` (the first tenant: ``socket`` itself). Defaults need no file:
-state in ``$XDG_STATE_HOME/prefixd`` (or ``~/.local/state/prefixd``), socket
-``$XDG_RUNTIME_DIR/prefixd/prefixd.sock`` (or ``<state dir>/prefixd.sock``): ``prefixd.config.paths``.
+``<socket dir>/<tenant>.sock`` (the first tenant: ``socket`` itself). Defaults need no file
+(``prefixd.config.paths``): state in ``$XDG_STATE_HOME/prefixd`` (or ``~/.local/state/prefixd``),
+socket ``$XDG_RUNTIME_DIR/prefixd/prefixd.sock`` (or ``<state dir>/prefixd.sock``).
 ``prefixd.config.toml_reader`` reads the file.
 """
 
