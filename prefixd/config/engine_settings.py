@@ -52,7 +52,7 @@ from prefixd.config.errors import ConfigError
 SYNC_MODES = ("commit", "interval", "none")
 VERIFY_MODES = ("lazy", "eager")
 # NOTE: the names of what ``prefixd.cache.tiering`` and ``prefixd.cache.policy`` implement,
-# written here because config imports only api/; tests/engine/test_config.py checks that the
+# written here because config imports only api/; tests/config/test_engine_settings.py checks that
 # cache implements exactly these.
 WRITE_POLICIES = ("write_through", "write_back", "selective")
 EVICTION_POLICIES = ("lru", "lfu", "priority")
