@@ -68,7 +68,7 @@ from redis.utils import HIREDIS_AVAILABLE  # noqa: E402
 from prefixd.api.layout import KVLayout  # noqa: E402
 from prefixd.api.tiers import Tier  # noqa: E402
 from prefixd.engine import Engine, EngineConfig, Tenant, TierSizes  # noqa: E402
-from prefixd.engine.cluster_config import ClusterConfig  # noqa: E402
+from prefixd.config.cluster_settings import ClusterConfig  # noqa: E402
 from prefixd.storage.remote import RemoteStore  # noqa: E402
 from prefixd.tools.redis_cluster import RedisCluster  # noqa: E402
 from prefixd.tools.workloads import gsp, ideal_hit_rate  # noqa: E402

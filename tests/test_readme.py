@@ -8,8 +8,7 @@ import json
 import pathlib
 import re
 
-from prefixd.daemon import settings
-from prefixd.engine import EngineConfig, Tenant
+from prefixd.config import Tenant, load, read_engine_config
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -24,7 +23,7 @@ def test_readme_toml_sample_loads():
     assert toml_samples(README), "the README shows no TOML sample"
     assert toml_samples(ENGINE_DOC), "docs/engine.md shows no TOML sample"
     for sample in toml_samples(README) + toml_samples(ENGINE_DOC):
-        config = EngineConfig.from_toml(sample.encode())
+        config = read_engine_config(sample.encode())
         if "[engine.cluster]" in sample:  # "Share prefixes across hosts"
             assert config.tenants == (Tenant("default", "same-on-every-host"),)
             assert config.cluster.nodes == ("10.0.0.1:7000", "10.0.0.2:7000")
@@ -49,7 +48,7 @@ def test_readme_daemon_config_sample_loads(tmp_path):
     for i, sample in enumerate(samples):
         path = tmp_path / f"sample{i}.toml"
         path.write_text(sample)
-        engine, daemon = settings.load(str(path))
+        engine, daemon = load(str(path))
         assert daemon.lease_s == 10.0 and daemon.limits.blocks_per_tenant == 16777216
         (sock,) = daemon.socket_paths(engine, str(tmp_path))
         assert (sock.tenant, sock.path, sock.mode) == ("acme", "/run/prefixd/acme.sock", 0o660)

@@ -10,9 +10,9 @@ with pc.connect(socket_path, layout, name="engine-0") as session:   # Attach ...
     session.commit(seq)
 ```
 
-Imports only ``prefixd.api`` and ``prefixd.kernels`` (tests/test_layering.py). Modules:
-``session`` (connect, Session, reconnect semantics), ``attachment`` (channel, Attach/Detach,
-lease, recovery), ``handles`` (Sequence, LookupResult),
+Imports only ``prefixd.api``, ``prefixd.config`` and ``prefixd.kernels``
+(tests/test_layering.py). Modules: ``session`` (connect, Session, reconnect semantics),
+``attachment`` (channel, Attach/Detach, lease, recovery), ``handles`` (Sequence, LookupResult),
 ``errors`` (typed exceptions), ``keepalive`` (the lease thread), ``mapped`` (pool mappings and
 the mapped KV path), ``remote_kv`` (WriteKV / ReadKV / Attend), ``reconnect`` (backoff, reclaim),
 ``wire`` (token ids on the wire), ``kv_events`` (KV events for routers), ``ctl`` (prefixctl).

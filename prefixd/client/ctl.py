@@ -6,7 +6,8 @@
 
 It speaks the raw ``prefixd.v1`` stubs over the daemon's Unix socket (no client library, no
 torch: ``prefixctl status`` answers in a fraction of a second), and imports nothing of the
-daemon's side (``tests/test_layering.py``).
+daemon's side (``tests/test_layering.py``); ``verify`` runs ``prefixd.tools.verify`` as a child
+process, the one exception that test declares (see ``cmd_verify``).
 
 Exit status:
 
@@ -38,6 +39,7 @@ from prefixd.api import prefixd_pb2 as pb
 from prefixd.api import prefixd_pb2_grpc as pb_grpc
 from prefixd.client import ctl_lookup, ctl_render, kv_events
 from prefixd.client.errors import DeadlineExceeded, PrefixdError, Unavailable
+from prefixd.config import paths
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NOT_SERVING = 0, 1, 2, 3, 4
 DEFAULT_TIMEOUT_S = 10.0
@@ -48,19 +50,9 @@ SOCKET_HELP = ("the daemon's socket (default: $PREFIXD_SOCKET, else "
 
 
 def default_socket() -> str:
-    """Where ``prefixd serve`` listens by default (its ``--socket`` unset), as the client sees it.
-
-    NOTE: the same lookup as ``prefixd.daemon.settings.default_socket`` (which the client may not
-    import), plus ``$PREFIXD_SOCKET`` first, for a daemon started with ``--socket``.
-    """
-    explicit = os.environ.get("PREFIXD_SOCKET")
-    if explicit:
-        return explicit
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime:
-        return os.path.join(runtime, "prefixd", "prefixd.sock")
-    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(state, "prefixd", "prefixd.sock")
+    """Where ``prefixd serve`` listens by default (its ``--socket`` unset), or
+    ``$PREFIXD_SOCKET``: ``prefixd.config.paths.client_socket``, the daemon's own lookup."""
+    return paths.client_socket()
 
 
 class CtlExit(Exception):
@@ -227,8 +219,14 @@ def cmd_top(daemon: Connection, args) -> int:
 
 
 def cmd_verify(daemon: None, args) -> int:
-    """Runs ``prefixd.tools.verify`` as a child process (it reads the engine's files, which the
-    client may not import), and turns a death by signal into a finding."""
+    """Runs ``prefixd.tools.verify`` as a child process, and turns a death by signal into a
+    finding.
+
+    NOTE: a child process, not an import, for two reasons: the check opens the engine's files
+    with the engine's own recovery (wal, storage, torch), which the client never loads; and a
+    damaged LMDB file can kill its reader with SIGSEGV/SIGBUS, which a child turns into a
+    report instead of a dead prefixctl. tests/test_layering.py declares this one child process
+    as the client's only way to reach another part, and refuses any other."""
     import signal
     import subprocess
 

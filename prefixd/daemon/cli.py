@@ -13,7 +13,7 @@ import os
 import sys
 
 import prefixd
-from prefixd.daemon import settings as daemon_config
+from prefixd.config.paths import default_state_dir
 from prefixd.daemon.logs import setup_logging
 
 log = logging.getLogger("prefixd.daemon")
@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve_command(args) -> int:
     setup_logging("info")
+    from prefixd.config.errors import ConfigError
     from prefixd.daemon import event_loop
     from prefixd.daemon.core import limit_intra_op_threads
     from prefixd.daemon.heap import keep_message_buffers
@@ -51,7 +52,7 @@ def serve_command(args) -> int:
         source = ConfigSource(args.config, args.socket)  # a reload reads it the same way
         engine_config, config = source.load()
         setup_logging(config.log_level)
-        state_dir = os.path.abspath(args.state_dir or daemon_config.default_state_dir())
+        state_dir = os.path.abspath(args.state_dir or default_state_dir())
         daemon = Daemon(state_dir, engine_config, config, source)
         keep_message_buffers()  # a process-wide policy: KV messages are MiBs (heap.py)
         log.info("torch intra-op threads=%d", limit_intra_op_threads())  # core.py's NOTE
@@ -59,7 +60,7 @@ def serve_command(args) -> int:
     except StateLockedError as exc:
         log.error("not starting: %s", exc)
         return 1
-    except (EngineError, WalError, StorageError, OSError) as exc:
+    except (ConfigError, EngineError, WalError, StorageError, OSError) as exc:
         log.error("not starting: %s", exc)
         return 1
 

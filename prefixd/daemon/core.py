@@ -15,12 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from prefixd.config.daemon_settings import DaemonConfig
+from prefixd.config.engine_settings import EngineConfig
 from prefixd.daemon.event_journal import EventJournals
 from prefixd.daemon.metrics import RpcTimes
-from prefixd.daemon.settings import DaemonConfig
 from prefixd.daemon.sessions import SessionTable
 from prefixd.daemon.status import unavailable
-from prefixd.engine.config import EngineConfig
 from prefixd.engine.progress import RecoveryProgress
 
 RECOVERING, SERVING, STOPPING = "recovering", "serving", "stopping"

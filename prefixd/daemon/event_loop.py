@@ -20,7 +20,7 @@ import logging
 import os
 from typing import Awaitable, Callable
 
-from prefixd.engine.errors import ConfigError
+from prefixd.config.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from prefixd.daemon import metrics
-from prefixd.daemon.settings import MetricsConfig
+from prefixd.config.daemon_settings import MetricsConfig
 
 log = logging.getLogger(__name__)
 

@@ -6,10 +6,11 @@ not taken for a change) and compares it with what the daemon runs on:
 
 - a file that does not load (bad TOML, a wrong type, an unknown key, a bad value) is refused
   with one error line, and nothing of it is applied;
-- settings that are safe to change live are applied, each named in one log line with its old
-  and new value: ``[engine]`` eviction, write_policy, checkpoint_records, checkpoint_blocks
-  (``prefixd.engine.live_settings``), ``[daemon]`` log_level, lease_s, shutdown_grace_s,
-  ``[daemon.limits]``, ``[daemon.metrics]``, and the ``mode`` of ``[[daemon.sockets]]``;
+- settings that are safe to change live (``prefixd.config.live_keys``) are applied, each named
+  in one log line with its old and new value: ``[engine]`` eviction, write_policy,
+  checkpoint_records, checkpoint_blocks (``prefixd.engine.live_settings``), ``[daemon]``
+  log_level, lease_s, shutdown_grace_s, ``[daemon.limits]``, ``[daemon.metrics]``, and the
+  ``mode`` of ``[[daemon.sockets]]``;
 - every other change (pool sizes, state and shm dirs, sync, tenants, socket paths and owners,
   message sizes, ...) is refused with a warning that names the settings and says a restart
   applies them; the daemon keeps the running values of those.
@@ -19,8 +20,9 @@ file is what the next start will use, and refusing the live part would leave an 
 who edited a pool size for the next restart unable to change the log level meanwhile. A file
 that does not load is different: it says nothing reliable, so nothing of it is used.
 
-``DAEMON_LIVE`` maps each live ``[daemon]`` key to the function that applies it; a part that
-adds a daemon setting it can apply live (metrics options) adds it there.
+``DAEMON_LIVE`` maps each live ``[daemon]`` key (``live_keys.DAEMON_LIVE_KEYS``) to the function
+that applies it; a part that adds a daemon setting it can apply live adds its key to
+``DAEMON_LIVE_KEYS`` and its applier here (tests/daemon/test_reload.py checks they match).
 """
 
 from __future__ import annotations
@@ -33,10 +35,12 @@ from typing import Callable, NamedTuple
 
 from prefixd.daemon.core import SERVING, DaemonCore
 from prefixd.daemon.logs import setup_logging
-from prefixd.daemon.settings import DaemonConfig, load
+from prefixd.config.daemon_settings import DaemonConfig
+from prefixd.config.engine_settings import EngineConfig
+from prefixd.config.errors import ConfigError
+from prefixd.config.live_keys import changed_fields, daemon_changes, live_config, restart_fields
+from prefixd.config.toml_reader import load
 from prefixd.engine import live_settings
-from prefixd.engine.config import EngineConfig
-from prefixd.engine.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +58,7 @@ class ConfigSource:
         self.socket = os.path.abspath(socket) if socket else None
 
     def load(self) -> tuple[EngineConfig, DaemonConfig]:
-        """Raises ConfigError (see ``prefixd.daemon.settings.load``)."""
+        """Raises ConfigError (see ``prefixd.config.toml_reader.load``)."""
         engine, daemon = load(self.path)
         if self.socket:
             daemon = dataclasses.replace(daemon, socket=self.socket)
@@ -117,27 +121,6 @@ DAEMON_LIVE: dict[str, Callable] = {
 }
 
 
-def _sockets_differ_only_in_mode(old, new) -> bool:
-    if len(old) != len(new):
-        return False
-    return all(dataclasses.replace(a, mode=0) == dataclasses.replace(b, mode=0)
-               for a, b in zip(old, new))
-
-
-def daemon_changes(old: DaemonConfig, new: DaemonConfig) -> tuple[list[str], list[str]]:
-    """``(live, restart)``: the changed ``[daemon]`` keys, split by whether they apply live."""
-    live, restart = [], []
-    for f in dataclasses.fields(DaemonConfig):
-        if getattr(old, f.name) == getattr(new, f.name):
-            continue
-        if f.name in DAEMON_LIVE and (
-                f.name != "sockets" or _sockets_differ_only_in_mode(old.sockets, new.sockets)):
-            live.append(f.name)
-        else:
-            restart.append(f.name)
-    return live, restart
-
-
 def _show(value) -> str:
     if isinstance(value, tuple) and value and hasattr(value[0], "mode"):
         return "[" + ",".join(f"{s.tenant}:{s.mode:04o}" for s in value) + "]"
@@ -157,15 +140,15 @@ def reload_config(core: DaemonCore, source: ConfigSource) -> ReloadOutcome:
                   "settings: %s", exc)
         return ReloadOutcome([], [], str(exc))
     old_engine, old_daemon = core.engine_config, core.config
-    engine_restart = live_settings.restart_fields(old_engine, new_engine)
+    engine_restart = restart_fields(old_engine, new_engine)
     daemon_live, daemon_restart = daemon_changes(old_daemon, new_daemon)
     restart = [f"engine.{k}" for k in engine_restart] + [f"daemon.{k}" for k in daemon_restart]
     if restart:
         log.warning("config reload: %s changed and need a restart to apply (systemctl restart "
                     "prefixd); the daemon keeps their running values", ", ".join(restart))
     applied = []
-    engine_target = live_settings.live_config(old_engine, new_engine)
-    for key in live_settings.changed_fields(old_engine, engine_target):
+    engine_target = live_config(old_engine, new_engine)
+    for key in changed_fields(old_engine, engine_target):
         log.info("config reload: engine.%s %s -> %s", key, _show(getattr(old_engine, key)),
                  _show(getattr(engine_target, key)))
         applied.append(f"engine.{key}")

@@ -36,7 +36,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from prefixd.api import prefixd_pb2 as pb
-from prefixd.daemon.settings import DaemonConfig, TenantSocket
+from prefixd.config.daemon_settings import DaemonConfig, TenantSocket
+from prefixd.config.engine_settings import EngineConfig
+from prefixd.config.errors import ConfigError
 from prefixd.daemon.handlers import GenericOnly, add_service
 from prefixd.daemon.collector import freeze_startup_heap
 from prefixd.daemon.core import SERVING, STOPPING, DaemonCore
@@ -45,10 +47,8 @@ from prefixd.daemon.lifecycle import Lifecycle
 from prefixd.daemon.metrics_http import MetricsExporter
 from prefixd.daemon.reload import ConfigSource, Reloader
 from prefixd.daemon.service import PrefixCacheService
-from prefixd.engine.config import EngineConfig
 from prefixd.engine.durable import TICK_PERIOD_S
 from prefixd.engine.engine import Engine
-from prefixd.engine.errors import ConfigError
 from prefixd.wal.lock import StateDirLock
 
 log = logging.getLogger(__name__)

@@ -18,22 +18,10 @@ from dataclasses import dataclass, field
 
 from prefixd.api.layout import KVLayout
 from prefixd.cache.errors import UnknownSequence
+from prefixd.config.daemon_settings import Limits
 from prefixd.daemon.status import exhausted, not_found
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one session and one tenant may hold (RESOURCE_EXHAUSTED past them)."""
-
-    sequences_per_session: int = 4096
-    sequences_per_tenant: int = 16384
-    blocks_per_session: int = 1 << 22
-    blocks_per_tenant: int = 1 << 24
-    # NOTE: every new layout a client attaches with makes a pool (files, a log, memory) that
-    # lives on and is opened at every start: a tenant gets a few, not one per request.
-    pools_per_tenant: int = 16
 
 
 @dataclass(eq=False)

@@ -13,8 +13,8 @@ import logging
 import grpc
 
 from prefixd.cache.errors import InvalidTokens, OutOfBlocks, UnknownSequence
-from prefixd.engine.errors import (ConfigError, DurabilityError, SharedBlockError,
-                                   UnknownTenantError)
+from prefixd.config.errors import ConfigError
+from prefixd.engine.errors import DurabilityError, SharedBlockError, UnknownTenantError
 from prefixd.storage.errors import StorageError
 from prefixd.wal.errors import WalClosedError, WalError, WalFailedError
 

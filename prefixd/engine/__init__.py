@@ -2,17 +2,20 @@
 together (DESIGN.md "The parts").
 
 Modules, one concept each: ``engine`` (``Engine``: every pool, tenant x layout, of one state
-directory behind one lock), ``config`` (``EngineConfig``: every setting, validated, from TOML),
-``durable`` (``DurableCache``: one pool's operations and the write order), ``recovery``
-(opening a state directory), ``replay`` (the log tail onto the tree), ``reconcile`` (what a
-restart drops), ``snapshot`` (the tree as checkpoint values), ``records`` (cache events as WAL
-records), ``errors``.
+directory behind one lock), ``durable`` (``DurableCache``: one pool's operations and the write
+order), ``recovery`` (opening a state directory), ``replay`` (the log tail onto the tree),
+``reconcile`` (what a restart drops), ``snapshot`` (the tree as checkpoint values), ``records``
+(cache events as WAL records), ``live_settings`` (a reload's settings applied), ``errors``.
+
+Its settings are ``prefixd.config``'s (``EngineConfig``, re-exported here with ``Tenant``,
+``TierSizes`` and ``ConfigError`` because an engine is built with them).
 """
 
-from prefixd.engine.config import EngineConfig, Tenant, TierSizes
+from prefixd.config.engine_settings import EngineConfig, Tenant, TierSizes
+from prefixd.config.errors import ConfigError
 from prefixd.engine.durable import DurableCache, Reclaimed
 from prefixd.engine.engine import Engine, PoolInfo
-from prefixd.engine.errors import (ConfigError, DurabilityError, EngineError, IndexLostError,
+from prefixd.engine.errors import (DurabilityError, EngineError, IndexLostError,
                                    PoolDirError, StateFormatError, UnknownTenantError)
 
 __all__ = ["ConfigError", "DurabilityError", "DurableCache", "Engine", "EngineConfig",

@@ -24,7 +24,7 @@ import re
 from typing import NamedTuple
 
 from prefixd.api.layout import KVLayout
-from prefixd.engine.config import EngineConfig, Tenant
+from prefixd.config.engine_settings import EngineConfig, Tenant
 from prefixd.engine.durable import DurableCache
 from prefixd.engine.errors import EngineError, PoolDirError, UnknownTenantError
 from prefixd.engine.progress import RecoveryProgress

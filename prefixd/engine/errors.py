@@ -44,11 +44,6 @@ class IndexLostError(EngineError):
         )
 
 
-class ConfigError(EngineError, ValueError):
-    """An engine setting is out of range, unknown or of the wrong type; the message names the
-    key and what to set it to. Raised when an ``EngineConfig`` is built or loaded."""
-
-
 class UnknownTenantError(EngineError, KeyError):
     """A pool was asked for a tenant the engine's configuration does not list."""
 

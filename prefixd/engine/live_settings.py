@@ -1,47 +1,22 @@
-"""Which engine settings a running engine can take without a restart, and taking them.
-
-A reload (the daemon's config watch or SIGHUP) hands the engine a new ``EngineConfig``; only
-the settings in ``LIVE_FIELDS`` may differ from the running one:
+"""Applying the live engine settings (``prefixd.config.live_keys.ENGINE_LIVE_KEYS``) to a
+running engine, without a restart.
 
 - ``eviction``: every pool's eviction queues are re-keyed by the new policy (O(evictable
   nodes), on the caller's thread);
 - ``write_policy``: runs indexed or evicted from then on follow it; blocks already placed stay;
 - ``checkpoint_records``, ``checkpoint_blocks``: the next ``_log`` compares against them.
-
-Everything else (pool sizes, sync, verify, shm_dir, tenants, ...) is fixed when a pool opens:
-the files, the WAL environment and the recovered index were made with it, so a change needs a
-restart (``restart_fields`` names them for the log line).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 from prefixd.cache.policy import make_policy
-from prefixd.engine.config import EngineConfig
+from prefixd.config.engine_settings import EngineConfig
+from prefixd.config.live_keys import changed_fields, restart_fields
 from prefixd.engine.records import CHECKPOINT_BLOCKS
 
 log = logging.getLogger(__name__)
-
-LIVE_FIELDS = ("eviction", "write_policy", "checkpoint_records", "checkpoint_blocks")
-
-
-def changed_fields(old: EngineConfig, new: EngineConfig) -> list[str]:
-    """The names of the settings whose values differ, in declaration order."""
-    return [f.name for f in dataclasses.fields(EngineConfig)
-            if getattr(old, f.name) != getattr(new, f.name)]
-
-
-def restart_fields(old: EngineConfig, new: EngineConfig) -> list[str]:
-    """The changed settings a running engine cannot take."""
-    return [name for name in changed_fields(old, new) if name not in LIVE_FIELDS]
-
-
-def live_config(old: EngineConfig, new: EngineConfig) -> EngineConfig:
-    """``old`` with the live settings of ``new``: what the engine runs on after a reload that
-    also changed settings needing a restart (those keep their old values)."""
-    return dataclasses.replace(old, **{name: getattr(new, name) for name in LIVE_FIELDS})
 
 
 def apply_live(engine, new: EngineConfig) -> list[str]:

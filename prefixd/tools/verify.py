@@ -22,8 +22,10 @@ files), so the checks run on a scratch copy of each pool's log and disk pool fil
 originals: verify must not repair behind the operator's back. The copy is made with
 ``copy_file_range`` (a reflink where the filesystem has them); verify reads every disk block
 anyway, so the copy at most doubles the I/O. ``prefixctl verify`` runs this module as a child
-process: a damaged LMDB file that kills its reader with SIGSEGV/SIGBUS (none of the crash
-suite's rows does; the WAL checks sizes and pages first) is reported by prefixctl as damage.
+process (the one declared exception to the client's layering, tests/test_layering.py): the
+client never loads the engine, and a damaged LMDB file that kills its reader with
+SIGSEGV/SIGBUS (none of the crash suite's rows does; the WAL checks sizes and pages first) is
+reported by prefixctl as damage instead of killing prefixctl.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from typing import NamedTuple
 
 from prefixd.api.layout import KVLayout
 from prefixd.api.tiers import DISK
-from prefixd.engine.config import EngineConfig
+from prefixd.config.engine_settings import EngineConfig
+from prefixd.config.toml_reader import engine_config
 from prefixd.engine.engine import MANIFEST, POOLS_DIR, cache_kwargs
 from prefixd.storage.poolfile import HEADER_BYTES, PoolHeader
 from prefixd.wal.errors import StateLockedError
@@ -283,7 +286,7 @@ def _load_config(path: str | None) -> EngineConfig:
     if path is None:
         return EngineConfig()
     with open(path, "rb") as f:
-        return EngineConfig.from_mapping(tomllib.load(f).get("engine", {}))
+        return engine_config(tomllib.load(f).get("engine", {}))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ import numpy as np
 from prefixd.api.layout import KVLayout
 from prefixd.api.tiers import Tier
 from prefixd.engine import Engine, EngineConfig, Tenant, TierSizes
-from prefixd.engine.cluster_config import ClusterConfig
+from prefixd.config.cluster_settings import ClusterConfig
 
 BS = 4
 LAYOUT = KVLayout("cluster-tiny", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float16",

@@ -13,10 +13,12 @@ import pytest
 
 from prefixd.api.tiers import Tier
 from prefixd.cache.errors import OutOfBlocks
+from prefixd.config.cluster_settings import ClusterConfig
+from prefixd.config.errors import ConfigError
+from prefixd.config.toml_reader import engine_config, read_engine_config
+from prefixd.config.toml_writer import engine_toml
 from prefixd.engine import EngineConfig, TierSizes
 from prefixd.engine import cluster_tier
-from prefixd.engine.cluster_config import ClusterConfig
-from prefixd.engine.errors import ConfigError
 from tests.cluster.hosts import BS, LAYOUT, config, host, kv_of, prompt, serve, served
 
 
@@ -288,14 +290,14 @@ print("ok")
 ])
 def test_a_bad_cluster_table_is_refused_saying_what_to_change(table, says):
     with pytest.raises(ConfigError, match=None) as info:
-        EngineConfig.from_mapping({"cluster": table})
+        engine_config({"cluster": table})
     assert says in str(info.value)
 
 
 def test_the_cluster_table_round_trips_through_toml():
     cfg = EngineConfig(cluster=ClusterConfig(nodes=("10.0.0.1:7000", "[::1]:7001"),
                                              write_policy="hits>=3", queue_mib=64))
-    assert EngineConfig.from_toml(cfg.to_toml().encode()) == cfg
+    assert read_engine_config(engine_toml(cfg).encode()) == cfg
     assert cfg.cluster.min_hits == 3
     assert EngineConfig().cluster is None
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from prefixd.engine.config import EngineConfig, TierSizes
+from prefixd.config.engine_settings import EngineConfig, TierSizes
 from prefixd.tools.verify import EXIT_DAMAGED, verify
 from tests.crash.test_corruption import (DISK_TABLE, LMDB_TABLE, REPO, SIZES, build, open_cache)
 

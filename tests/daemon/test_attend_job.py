@@ -85,8 +85,8 @@ def test_the_servicer_runs_the_parts_on_the_compute_threads(env, monkeypatch, tm
     from prefixd.api import prefixd_pb2 as pb
     from prefixd.daemon.core import SERVING, DaemonCore
     from prefixd.daemon.service import PrefixCacheService
-    from prefixd.daemon.settings import DaemonConfig
-    from prefixd.engine.config import EngineConfig
+    from prefixd.config.daemon_settings import DaemonConfig
+    from prefixd.config.engine_settings import EngineConfig
 
     pool, s = env
     ids = seq_ids(pool)

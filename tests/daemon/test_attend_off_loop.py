@@ -17,8 +17,8 @@ from prefixd.api.tensors import from_tensor_msg, to_tensor_msg
 from prefixd.daemon import kv_rpc
 from prefixd.daemon.core import SERVING, DaemonCore
 from prefixd.daemon.service import PrefixCacheService
-from prefixd.daemon.settings import DaemonConfig
-from prefixd.engine.config import EngineConfig
+from prefixd.config.daemon_settings import DaemonConfig
+from prefixd.config.engine_settings import EngineConfig
 from tests.daemon.kv_rpc_helpers import LAYOUT, open_seq, sessions
 
 

@@ -8,9 +8,10 @@ import pytest
 
 from prefixd.api.layout import KVLayout
 from prefixd.cache.events import BlocksDropped, BlocksMoved, BlocksStored, SeqCommitted
+from prefixd.config.daemon_settings import DaemonConfig, EventsConfig
+from prefixd.config.errors import ConfigError
+from prefixd.config.toml_reader import daemon_config
 from prefixd.daemon.event_journal import CLEARED, REMOVED, STORED, EventJournal, EventJournals
-from prefixd.daemon.settings import DaemonConfig, EventsConfig
-from prefixd.engine.errors import ConfigError
 
 EPOCH = 77
 LAYOUT = KVLayout("journal-test", 1, 1, 8, "float16", 4)
@@ -138,10 +139,10 @@ def test_tenants_have_separate_numbers_and_rings():
                                    {"ring": 100}])
 def test_events_config_refuses_bad_values(table):
     with pytest.raises(ConfigError, match="daemon.events"):
-        DaemonConfig.from_mapping({"events": table})
+        daemon_config({"events": table})
 
 
 def test_events_config_defaults_and_values():
     assert DaemonConfig().events == EventsConfig(65536, 4096)
-    assert DaemonConfig.from_mapping({"events": {"ring_size": 100, "subscriber_queue": 7}}).events \
+    assert daemon_config({"events": {"ring_size": 100, "subscriber_queue": 7}}).events \
         == EventsConfig(100, 7)

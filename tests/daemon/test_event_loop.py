@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from prefixd.daemon import event_loop
-from prefixd.engine.errors import ConfigError
+from prefixd.config.errors import ConfigError
 
 uvloop = pytest.importorskip("uvloop")
 

@@ -14,8 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prefixd.daemon import metrics_http
 from prefixd.daemon.core import DaemonCore
 from prefixd.daemon.metrics_http import MetricsExporter, scrape_unix
-from prefixd.daemon.settings import DaemonConfig, MetricsConfig
-from prefixd.engine.config import EngineConfig
+from prefixd.config.daemon_settings import DaemonConfig, MetricsConfig
+from prefixd.config.engine_settings import EngineConfig
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ import logging
 
 from prefixd.daemon import lifecycle
 from prefixd.daemon.core import SERVING, DaemonCore
-from prefixd.daemon.settings import DaemonConfig
-from prefixd.engine.config import EngineConfig
+from prefixd.config.daemon_settings import DaemonConfig
+from prefixd.config.engine_settings import EngineConfig
 
 
 def test_recovery_progress_is_logged_without_a_notify_socket(tmp_path, monkeypatch, caplog):

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from prefixd.api import prefixd_pb2 as pb
-from prefixd.daemon.reload import daemon_changes
-from prefixd.daemon.settings import DaemonConfig, TenantSocket
+from prefixd.config.daemon_settings import DaemonConfig, TenantSocket
+from prefixd.config.engine_settings import EngineConfig, TierSizes
+from prefixd.config.live_keys import DAEMON_LIVE_KEYS, daemon_changes
+from prefixd.daemon.reload import DAEMON_LIVE
 from prefixd.engine import live_settings
-from prefixd.engine.config import EngineConfig, TierSizes
 from prefixd.engine.engine import Engine
 from prefixd.api.layout import KVLayout
 from tests.daemon.harness import DaemonProcess
@@ -183,6 +184,12 @@ def test_daemon_changes_split_live_from_restart():
     assert daemon_changes(old, new) == (["log_level", "sockets"], ["max_message_bytes"])
     moved = DaemonConfig(sockets=(TenantSocket("default", "/run/p/b.sock", mode=0o600),))
     assert daemon_changes(old, moved) == ([], ["sockets"])
+
+
+def test_every_live_daemon_key_has_an_applier():
+    """``live_keys.DAEMON_LIVE_KEYS`` says what a reload applies, ``reload.DAEMON_LIVE`` how:
+    a key in one and not the other would be taken live and never applied, or never taken."""
+    assert sorted(DAEMON_LIVE) == sorted(DAEMON_LIVE_KEYS)
 
 
 def test_apply_live_rekeys_eviction_and_sets_the_write_policy(tmp_path):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prefixd.api.layout import KVLayout
-from prefixd.engine.config import EngineConfig, TierSizes
+from prefixd.config.engine_settings import EngineConfig, TierSizes
 from prefixd.engine.engine import Engine
 from prefixd.engine.progress import RecoveryProgress
 

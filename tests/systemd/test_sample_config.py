@@ -7,10 +7,11 @@ import dataclasses
 import pathlib
 import re
 
-from prefixd.daemon.sessions import Limits
-from prefixd.daemon.settings import DaemonConfig, EventsConfig, MetricsConfig, TenantSocket, load
-from prefixd.engine.cluster_config import ClusterConfig
-from prefixd.engine.config import EngineConfig, TierSizes
+from prefixd.config.cluster_settings import ClusterConfig
+from prefixd.config.daemon_settings import (DaemonConfig, EventsConfig, Limits, MetricsConfig,
+                                            TenantSocket)
+from prefixd.config.engine_settings import EngineConfig, TierSizes
+from prefixd.config.toml_reader import load
 
 SAMPLE = pathlib.Path(__file__).resolve().parents[2] / "systemd" / "prefixd.toml"
 
@@ -46,9 +47,8 @@ def test_sample_config_names_every_setting():
 
 
 def test_sample_config_marks_exactly_the_live_settings():
-    """The ``[live]`` marks in the sample are what a reload applies (``prefixd.daemon.reload``)."""
-    from prefixd.daemon.reload import DAEMON_LIVE
-    from prefixd.engine.live_settings import LIVE_FIELDS
+    """The ``[live]`` marks in the sample are what a reload applies (``prefixd.config.live_keys``)."""
+    from prefixd.config.live_keys import DAEMON_LIVE_KEYS, ENGINE_LIVE_KEYS
 
     marked = set()
     for line in SAMPLE.read_text().splitlines():
@@ -57,4 +57,4 @@ def test_sample_config_marks_exactly_the_live_settings():
         found = re.match(r"^#? ?(\w+) = |^\[+([\w.]+)\]+", line)
         if found:  # a setting or a table, not prose
             marked.add((found.group(1) or found.group(2)).split(".")[-1])
-    assert marked == set(LIVE_FIELDS) | (set(DAEMON_LIVE) - {"sockets"}) | {"mode"}
+    assert marked == set(ENGINE_LIVE_KEYS) | (set(DAEMON_LIVE_KEYS) - {"sockets"}) | {"mode"}

@@ -1,4 +1,4 @@
-"""``EngineConfig``: every setting of the durable engine, validated once, loadable from TOML.
+"""``EngineConfig``: every setting of the durable engine, validated once.
 
 The daemon's config file holds an ``[engine]`` table (and tables of its own, which the engine
 ignores)::
@@ -29,31 +29,33 @@ ignores)::
     name = "default"
     salt = ""             # the same on every host of a fleet: it names the cluster tier's keys
 
-    [engine.cluster]           # optional: see prefixd.engine.cluster_config
+    [engine.cluster]           # optional: see prefixd.config.cluster_settings
     nodes = ["127.0.0.1:7000"]
 
 Every value is checked in ``__post_init__`` (so a config built in code is checked too), and a
 bad one raises ``ConfigError`` saying which key to change and to what. Unknown keys are errors
-that name the known ones: a misspelt key silently left at its default is worse than a refusal.
+that name the known ones (``prefixd.config.toml_reader``, which reads the table;
+``prefixd.config.toml_writer`` writes it): a misspelt key silently left at its default is worse
+than a refusal.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
-from collections.abc import Mapping
-from typing import Any
 
 from prefixd.api.layout import KVLayout
-from prefixd.cache.policy import POLICIES
-from prefixd.cache.tiering import WRITE_POLICIES
-from prefixd.engine.cluster_config import ClusterConfig
-from prefixd.engine.errors import ConfigError
+from prefixd.config.cluster_settings import ClusterConfig
+from prefixd.config.errors import ConfigError
 
 SYNC_MODES = ("commit", "interval", "none")
 VERIFY_MODES = ("lazy", "eager")
+# NOTE: the names of what ``prefixd.cache.tiering`` and ``prefixd.cache.policy`` implement,
+# written here because config imports only api/; tests/config/test_engine_settings.py checks that
+# cache implements exactly these.
+WRITE_POLICIES = ("write_through", "write_back", "selective")
+EVICTION_POLICIES = ("lru", "lfu", "priority")
 # NOTE: a tenant name is a directory name under the state directory and a socket file stem:
 # no separators, no leading dot, nothing a shell or a path join could misread.
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -146,7 +148,7 @@ class EngineConfig:
             recovery (counted) instead of refusing to start.
         tenants: the tenants served; names and salts are unique.
         cluster: the Redis Cluster tier below disk (``[engine.cluster]``,
-            ``prefixd.engine.cluster_config``), or None: no cluster tier.
+            ``prefixd.config.cluster_settings``), or None: no cluster tier.
 
     NOTE: frozen and validated once: the daemon builds one at start (and one per reload) and
     hands each constructor only the values it needs, so no component reads a half-valid config.
@@ -187,7 +189,7 @@ class EngineConfig:
             raise ConfigError(f"engine.sync_interval_ms must be a number of milliseconds > 0, "
                               f"got {self.sync_interval_ms!r}: set [engine] sync_interval_ms = 1000")
         _choice("write_policy", self.write_policy, WRITE_POLICIES)
-        _choice("eviction", self.eviction, tuple(POLICIES))
+        _choice("eviction", self.eviction, EVICTION_POLICIES)
         _choice("verify", self.verify, VERIFY_MODES)
         for key in ("checkpoint_records", "spill_blocks"):
             value = getattr(self, key)
@@ -253,45 +255,3 @@ class EngineConfig:
             if model_id == layout.model_id:
                 return sizes
         return self.blocks
-
-    # -- TOML (the form itself lives in ``prefixd.engine.config_toml``) -----------------------------
-
-    @classmethod
-    def from_toml(cls, source: str | os.PathLike | bytes) -> "EngineConfig":
-        """Load the ``[engine]`` table of a TOML document (a path, or the document's bytes).
-
-        A document without an ``[engine]`` table gives the defaults; other tables are ignored.
-
-        Raises:
-            ConfigError: unreadable file, bad TOML, or a bad value (the message says which).
-        """
-        from prefixd.engine.config_toml import engine_table
-
-        return cls.from_mapping(engine_table(source))
-
-    @classmethod
-    def from_mapping(cls, table: Mapping[str, Any]) -> "EngineConfig":
-        """Build from the ``[engine]`` table as a mapping (what ``tomllib`` returns).
-
-        Raises:
-            ConfigError: an unknown key (naming the known ones) or a bad value.
-        """
-        from prefixd.engine.config_toml import config_kwargs
-
-        return cls(**config_kwargs(table))
-
-    def to_mapping(self) -> dict[str, Any]:
-        """The ``[engine]`` table that ``from_mapping`` turns back into this config.
-
-        Raises:
-            ConfigError: a tenant salt that is not UTF-8 text (TOML holds only text).
-        """
-        from prefixd.engine.config_toml import to_table
-
-        return to_table(self)
-
-    def to_toml(self) -> str:
-        """This config as a TOML document with one ``[engine]`` table (``from_toml`` reads it)."""
-        from prefixd.engine.config_toml import dump_engine_table
-
-        return dump_engine_table(self.to_mapping())

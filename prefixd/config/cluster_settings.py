@@ -13,7 +13,7 @@
 
 No ``[engine.cluster]`` table: no cluster tier at all (no thread, no ``redis`` import, no
 fleet hashing). Values are checked in ``__post_init__``; a bad one raises ``ConfigError``
-saying what to change.
+saying what to change (``prefixd.config.toml_reader`` reads the table).
 
 Write policies (which committed blocks go to the cluster, written behind by one thread):
 
@@ -28,10 +28,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
-from typing import Any
 
-from prefixd.engine.errors import ConfigError
+from prefixd.config.errors import ConfigError
 
 _HITS = re.compile(r"hits>=([0-9]{1,9})")
 _NODE = re.compile(r"(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(?P<port>[0-9]{1,5})")
@@ -98,27 +96,3 @@ class ClusterConfig:
                               f"or \"power\", got {policy!r}: set [engine.cluster] write_policy "
                               f"= \"all\"")
         return int(m[1])
-
-    @classmethod
-    def from_table(cls, table: Mapping[str, Any]) -> "ClusterConfig":
-        """From the ``[engine.cluster]`` table (what ``tomllib`` returns).
-
-        Raises:
-            ConfigError: not a table, an unknown key (naming the known ones), no ``nodes``, or a
-                bad value.
-        """
-        from prefixd.engine.config_toml import refuse_unknown
-
-        if not isinstance(table, Mapping):
-            raise ConfigError(f"[engine.cluster] must be a table, got {table!r}")
-        refuse_unknown("engine.cluster", table, CLUSTER_KEYS)
-        if "nodes" not in table:
-            raise ConfigError("[engine.cluster] has no nodes: add nodes = [\"host:port\", ...] "
-                              "(or remove the table to run without a cluster tier)")
-        return cls(**table)
-
-    def to_table(self) -> dict[str, Any]:
-        """The ``[engine.cluster]`` table that ``from_table`` turns back into this config."""
-        table = dataclasses.asdict(self)
-        table["nodes"] = list(self.nodes)
-        return table

@@ -34,27 +34,38 @@ policies, tenants), ``[daemon]`` is this::
     mode = "0660"
 
 Every tenant of ``[[engine.tenants]]`` gets a socket: the one listed here, or
-``<socket dir>/<tenant>.sock`` (the first tenant: ``socket`` itself). Defaults need no file:
-state in ``$XDG_STATE_HOME/prefixd`` (or ``~/.local/state/prefixd``), socket
-``$XDG_RUNTIME_DIR/prefixd/prefixd.sock`` (or ``<state dir>/prefixd.sock``).
+``<socket dir>/<tenant>.sock`` (the first tenant: ``socket`` itself). Defaults need no file
+(``prefixd.config.paths``): state in ``$XDG_STATE_HOME/prefixd`` (or ``~/.local/state/prefixd``),
+socket ``$XDG_RUNTIME_DIR/prefixd/prefixd.sock`` (or ``<state dir>/prefixd.sock``).
+``prefixd.config.toml_reader`` reads the file.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
-from collections.abc import Mapping
-from typing import Any
 
-from prefixd.daemon.sessions import Limits
-from prefixd.engine.config import EngineConfig
-from prefixd.engine.config_toml import refuse_unknown
-from prefixd.engine.errors import ConfigError
+from prefixd.config.engine_settings import EngineConfig
+from prefixd.config.errors import ConfigError
+from prefixd.config.paths import default_socket
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SOCKET_MAX = 107  # sun_path holds 108 bytes with the terminating NUL
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one session and one tenant may hold (RESOURCE_EXHAUSTED past them; the daemon's
+    ``prefixd.daemon.sessions`` enforces them)."""
+
+    sequences_per_session: int = 4096
+    sequences_per_tenant: int = 16384
+    blocks_per_session: int = 1 << 22
+    blocks_per_tenant: int = 1 << 24
+    # NOTE: every new layout a client attaches with makes a pool (files, a log, memory) that
+    # lives on and is opened at every start: a tenant gets a few, not one per request.
+    pools_per_tenant: int = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,94 +212,3 @@ class DaemonConfig:
         if len(set(paths)) != len(paths):
             raise ConfigError(f"two tenants share a socket path in {paths}: give each its own")
         return out
-
-    @classmethod
-    def from_mapping(cls, table: Mapping[str, Any]) -> "DaemonConfig":
-        """From a ``[daemon]`` table; unknown keys are refused, naming the known ones."""
-        if not isinstance(table, Mapping):
-            raise ConfigError(f"[daemon] must be a table, got {table!r}")
-        known = [f.name for f in dataclasses.fields(cls)]
-        refuse_unknown("daemon", table, known)
-        kwargs = {k: v for k, v in table.items()
-                  if k not in ("limits", "sockets", "metrics", "events")}
-        if "events" in table:
-            events = table["events"]
-            if not isinstance(events, Mapping):
-                raise ConfigError(f"[daemon.events] must be a table, got {events!r}")
-            refuse_unknown("daemon.events", events,
-                           [f.name for f in dataclasses.fields(EventsConfig)])
-            kwargs["events"] = EventsConfig(**events)
-        if "metrics" in table:
-            metrics = table["metrics"]
-            if not isinstance(metrics, Mapping):
-                raise ConfigError(f"[daemon.metrics] must be a table, got {metrics!r}")
-            refuse_unknown("daemon.metrics", metrics,
-                            [f.name for f in dataclasses.fields(MetricsConfig)])
-            kwargs["metrics"] = MetricsConfig(**metrics)
-        if "limits" in table:
-            limits = table["limits"]
-            if not isinstance(limits, Mapping):
-                raise ConfigError(f"[daemon.limits] must be a table, got {limits!r}")
-            refuse_unknown("daemon.limits", limits, [f.name for f in dataclasses.fields(Limits)])
-            kwargs["limits"] = Limits(**limits)
-        if "sockets" in table:
-            entries = table["sockets"]
-            if not isinstance(entries, list):
-                raise ConfigError("daemon.sockets must be an array of tables: [[daemon.sockets]]")
-            sockets = []
-            for i, entry in enumerate(entries):
-                if not isinstance(entry, Mapping) or "tenant" not in entry or "path" not in entry:
-                    raise ConfigError(f"[[daemon.sockets]] number {i + 1} needs tenant = \"...\" "
-                                      f"and path = \"...\"")
-                refuse_unknown(f"daemon.sockets[{i}]", entry,
-                                ["tenant", "path", "owner", "group", "mode"])
-                entry = dict(entry)
-                if "mode" in entry:
-                    entry["mode"] = _octal(entry["mode"], entry["tenant"])
-                sockets.append(TenantSocket(**entry))
-            kwargs["sockets"] = tuple(sockets)
-        try:
-            return cls(**kwargs)
-        except TypeError as exc:
-            raise ConfigError(f"[daemon]: {exc}") from None
-
-
-def load(path: str | None) -> tuple[EngineConfig, DaemonConfig]:
-    """The engine and daemon configs of a TOML file (both defaults without one).
-
-    Raises ConfigError: unreadable file, bad TOML, an unknown table or key, a bad value.
-    """
-    if path is None:
-        return EngineConfig(), DaemonConfig()
-    try:
-        with open(path, "rb") as f:
-            doc = tomllib.load(f)
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config {path} is not valid TOML: {exc}") from exc
-    refuse_unknown("the config file's top level", doc, ["engine", "daemon"])
-    return EngineConfig.from_mapping(doc.get("engine", {})), DaemonConfig.from_mapping(
-        doc.get("daemon", {}))
-
-
-def default_state_dir() -> str:
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return os.path.join(base, "prefixd")
-
-
-def default_socket(state_dir: str) -> str:
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime:
-        return os.path.join(runtime, "prefixd", "prefixd.sock")
-    return os.path.join(state_dir, "prefixd.sock")
-
-
-def _octal(value, tenant: str) -> int:
-    if isinstance(value, str):
-        try:
-            return int(value, 8)
-        except ValueError:
-            pass
-    raise ConfigError(f"daemon.sockets: mode of tenant {tenant!r} must be an octal string like "
-                      f"\"0660\", got {value!r}")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from prefixd.daemon.settings import DaemonConfig, TenantSocket, default_socket, load
-from prefixd.engine.config import EngineConfig, Tenant
-from prefixd.engine.errors import ConfigError
+from prefixd.config.daemon_settings import DaemonConfig, TenantSocket
+from prefixd.config.engine_settings import EngineConfig, Tenant
+from prefixd.config.errors import ConfigError
+from prefixd.config.paths import default_socket
+from prefixd.config.toml_reader import load
 
 
 def write(tmp_path, text: str) -> str:

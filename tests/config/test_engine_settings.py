@@ -5,7 +5,13 @@ import dataclasses
 import pytest
 
 from prefixd.api.layout import KVLayout
-from prefixd.engine import ConfigError, EngineConfig, Tenant, TierSizes
+from prefixd.cache.policy import POLICIES
+from prefixd.cache.tiering import WRITE_POLICIES
+from prefixd.config import ConfigError, EngineConfig, Tenant, TierSizes
+from prefixd.config.engine_settings import EVICTION_POLICIES
+from prefixd.config.engine_settings import WRITE_POLICIES as CONFIG_WRITE_POLICIES
+from prefixd.config.toml_reader import read_engine_config
+from prefixd.config.toml_writer import engine_toml
 
 FULL_TOML = b"""
 [daemon]
@@ -53,7 +59,7 @@ def test_defaults_are_valid_and_name_one_default_tenant():
 
 
 def test_a_full_engine_table_loads_every_key():
-    config = EngineConfig.from_toml(FULL_TOML)
+    config = read_engine_config(FULL_TOML)
     assert config.sync == "interval" and config.sync_interval_ms == 250
     assert (config.write_policy, config.eviction, config.verify) == ("write_back", "lfu", "eager")
     assert (config.checkpoint_records, config.checkpoint_blocks, config.spill_blocks) == (5000, 200000, 64)
@@ -64,7 +70,7 @@ def test_a_full_engine_table_loads_every_key():
 
 
 def test_a_model_override_replaces_only_the_tiers_it_names():
-    config = EngineConfig.from_toml(FULL_TOML)
+    config = read_engine_config(FULL_TOML)
     a = KVLayout("org/model-a", num_layers=1, num_kv_heads=1, head_dim=8)
     b = KVLayout("org/model-b", num_layers=1, num_kv_heads=1, head_dim=8)
     assert config.blocks_for(a) == TierSizes(7, 200, 300)
@@ -72,15 +78,15 @@ def test_a_model_override_replaces_only_the_tiers_it_names():
 
 
 def test_toml_round_trip_gives_an_equal_config(tmp_path):
-    config = EngineConfig.from_toml(FULL_TOML)
+    config = read_engine_config(FULL_TOML)
     path = tmp_path / "prefixd.toml"
-    path.write_text(config.to_toml())
-    assert EngineConfig.from_toml(path) == config
-    assert EngineConfig.from_toml(EngineConfig().to_toml().encode()) == EngineConfig()
+    path.write_text(engine_toml(config))
+    assert read_engine_config(path) == config
+    assert read_engine_config(engine_toml(EngineConfig()).encode()) == EngineConfig()
 
 
 def test_a_document_without_an_engine_table_gives_the_defaults():
-    assert EngineConfig.from_toml(b"[daemon]\nsocket = 'x'\n") == EngineConfig()
+    assert read_engine_config(b"[daemon]\nsocket = 'x'\n") == EngineConfig()
 
 
 def test_the_config_is_frozen():
@@ -110,7 +116,7 @@ def test_the_config_is_frozen():
 ])
 def test_a_bad_engine_value_is_refused_saying_what_to_change(line, words):
     with pytest.raises(ConfigError) as err:
-        EngineConfig.from_toml(f"[engine]\n{line}\n".encode())
+        read_engine_config(f"[engine]\n{line}\n".encode())
     for word in words:
         assert word in str(err.value), (word, str(err.value))
 
@@ -135,7 +141,7 @@ def test_a_bad_engine_value_is_refused_saying_what_to_change(line, words):
 ])
 def test_a_bad_sub_table_is_refused_saying_what_to_change(table, words):
     with pytest.raises(ConfigError) as err:
-        EngineConfig.from_toml(table.encode())
+        read_engine_config(table.encode())
     for word in words:
         assert word in str(err.value), (word, str(err.value))
 
@@ -157,23 +163,30 @@ def test_values_built_in_code_are_checked_too():
     assert Tenant("acme", "text").salt == b"text"
 
 
+def test_the_policy_names_are_the_ones_the_cache_implements():
+    """Config names the eviction and write policies without importing the cache (config
+    imports only api/): a policy added to the cache but not here could never be chosen."""
+    assert EVICTION_POLICIES == tuple(POLICIES)
+    assert CONFIG_WRITE_POLICIES == WRITE_POLICIES
+
+
 def test_bad_toml_and_a_missing_file_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="not valid TOML"):
-        EngineConfig.from_toml(b"[engine\n")
+        read_engine_config(b"[engine\n")
     with pytest.raises(ConfigError, match="cannot read config file"):
-        EngineConfig.from_toml(tmp_path / "absent.toml")
+        read_engine_config(tmp_path / "absent.toml")
     with pytest.raises(ConfigError, match="engine must be a table"):
-        EngineConfig.from_toml(b"engine = 3\n")
+        read_engine_config(b"engine = 3\n")
 
 
 def test_a_salt_that_is_not_text_cannot_be_written_as_toml():
     config = EngineConfig(tenants=(Tenant("a", b"\xff\xfe"),))
     with pytest.raises(ConfigError, match="not UTF-8"):
-        config.to_toml()
+        engine_toml(config)
 
 
 def test_odd_characters_survive_the_round_trip():
     config = EngineConfig(shm_dir='/tmp/a "quoted"\\dir\x7f',
                           model_blocks=(('org/m "x"', TierSizes(1, 2, 3)),),
                           tenants=(Tenant("a", "sält\n\t"),))
-    assert EngineConfig.from_toml(config.to_toml().encode()) == config
+    assert read_engine_config(engine_toml(config).encode()) == config
