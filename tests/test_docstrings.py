@@ -31,7 +31,7 @@ TEMPORARY_ALLOW_LIST_UNTIL_MERGED = frozenset({
     "prefixd/engine/",  # every module of the engine
     "prefixd/daemon/service.py", "prefixd/daemon/admin_rpc.py", "prefixd/daemon/kv_rpc.py",
     "prefixd/daemon/server.py", "prefixd/daemon/sessions.py", "prefixd/daemon/core.py",
-    "prefixd/daemon/lifecycle.py", "prefixd/daemon/settings.py",
+    "prefixd/daemon/lifecycle.py",
     "prefixd/client/session.py", "prefixd/client/attachment.py", "prefixd/client/ctl.py",
     "prefixd/client/wire.py", "prefixd/client/vllm/",
     "prefixd/storage/remote",  # remote.py and its parts
