@@ -209,8 +209,8 @@ class ClusterLinks:
 
         NOTE: the socket's timeout bounds each wait, not a batch; set from the deadline before
         every wait, the waits of one batch add up to at most its deadline (plus ``MIN_WAIT_S``
-        per node once it has passed). With a fresh timeout per node, every master frozen cost a
-        fetch one timeout per master, in turn.
+        per node once it has passed), where a fresh timeout per node would make N frozen
+        masters cost N timeouts, in turn. A reply that trickles in is bounded per wait.
         """
         left = max(deadline - time.monotonic(), MIN_WAIT_S)
         conn.socket_timeout = left
