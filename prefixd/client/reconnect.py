@@ -1,7 +1,7 @@
 """Reconnecting after a daemon restart: the backoff schedule, the Reclaims, applying their reply.
 
 The procedure itself is ``Session._recover`` (it owns the session's state); the pieces here are
-pure and unit-tested on their own.
+small and unit-tested on their own (``reclaim_sessions`` only calls the stub it is given).
 """
 
 from __future__ import annotations
