@@ -14,6 +14,7 @@ whole ``timeout_s``, so the bound separates one deadline from two with half a ti
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 
@@ -29,20 +30,17 @@ TIMEOUT_S = 1.0
 BOUND_S = TIMEOUT_S * 1.5
 
 
+@contextlib.contextmanager
 def frozen(cluster, indexes):
-    """Context: the nodes ``indexes`` SIGSTOPped, resumed (and the cluster healthy) after."""
-
-    class _Frozen:
-        def __enter__(self):
-            for i in indexes:
-                cluster.pause(i)
-
-        def __exit__(self, *exc):
-            for i in indexes:
-                cluster.resume(i)
-            cluster.wait_ok()
-
-    return _Frozen()
+    """The nodes ``indexes`` SIGSTOPped inside; resumed (and the cluster healthy) after."""
+    for i in indexes:
+        cluster.pause(i)
+    try:
+        yield
+    finally:
+        for i in indexes:
+            cluster.resume(i)
+        cluster.wait_ok()
 
 
 def timed_ask(store, blocks):
