@@ -24,7 +24,7 @@ from prefixd.client.errors import (DaemonRestarted, InvalidArgument, MappingErro
 from prefixd.client.handles import Sequence
 from prefixd.client.keepalive import KeepAlive
 from prefixd.client.mapped import MappedPool, map_pool
-from prefixd.client.reconnect import Backoff, apply_reclaim, unknown_reclaimed
+from prefixd.client.reconnect import Backoff, apply_reclaim, reclaim_sessions, unknown_reclaimed
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,9 @@ class Attachment:
         ``_live``: id -> ``Sequence`` for every handle opened, forked or reclaimed and not yet
         released (what a recovery updates). ``pool``: the mapped device pool, or None (rpcs).
         ``_generation``: bumped by each recovery that re-attached; a failed call recovers only
-        if no one has since its call started. ``_reclaim_from``: the session of before the
-        restart while a recovery has not yet had its Reclaim answered (0 otherwise).
+        if no one has since its call started. ``_reclaim_from``: the sessions to reclaim while
+        a recovery has not yet had its Reclaim answered (empty otherwise): the one of before
+        the restart, and each session a cut Reclaim may have moved the sequences into.
 
     Invariants: every handle in ``_live`` is neither released nor lost and is keyed by its
     current id; at most one KeepAlive runs, and none after ``close()``.
@@ -72,7 +73,7 @@ class Attachment:
         self._live: dict[int, Sequence] = {}
         self._generation = 0
         self._last_reclaimed: list[Sequence] = []
-        self._reclaim_from = 0
+        self._reclaim_from: list[int] = []
         self._closed = False
         self._detached = False
         self._keepalive: KeepAlive | None = None
@@ -229,9 +230,9 @@ class Attachment:
                                                 renew_s=self._lease_renew).start()
                 return None
             self._stop_keepalive()
-            # The session whose sequences to reclaim: the one before the restart, kept across
+            # The sessions whose sequences to reclaim: the one before the restart, kept across
             # a recovery that re-attached but failed before its Reclaim answered.
-            previous = self._reclaim_from or self.id
+            previous = self._reclaim_from or [self.id]
             self._reclaim_from = previous
             # NOTE: the new session is used (``self.id``, the pool, the lease) only once its
             # Reclaim is applied to the handles. Made visible at Attach, a call on another
@@ -240,17 +241,16 @@ class Attachment:
             # lease check with a handle still holding the old daemon's block table.
             attached = self._attach_rpc(retry=True)
             try:
-                reply = self._stub.Reclaim(pb.ReclaimRequest(session_id=attached.session_id,
-                                                             previous_session_id=previous),
-                                           timeout=self._timeout)
+                reply = reclaim_sessions(self._stub, attached.session_id, previous, self._timeout)
             except grpc.RpcError as exc:
                 err = from_rpc_error(exc)
-                if isinstance(err, Unavailable):  # down again: the next recovery reclaims
+                if isinstance(err, Unavailable):  # down again: the next recovery reclaims, see
+                    self._reclaim_from = previous + [attached.session_id]  # reclaim_sessions
                     raise err from None
-                log.warning("reclaim refused, the session's sequences are lost previous=%#x error=%s",
+                log.warning("reclaim refused, the session's sequences are lost previous=%s error=%s",
                             previous, err)
                 reply = pb.ReclaimReply()
-            self._reclaim_from = 0
+            self._reclaim_from = []
             handles = apply_reclaim(self._live, reply, self.layout.block_size)
             self._adopt(attached)
             for seq_id in unknown_reclaimed(self._live, reply):
@@ -258,7 +258,7 @@ class Attachment:
             self._last_reclaimed = handles
             self._generation += 1
             self.recoveries += 1
-            log.warning("reconnected session=%#x previous=%#x reclaimed=%d lost=%d", self.id, previous,
+            log.warning("reconnected session=%#x previous=%s reclaimed=%d lost=%d", self.id, previous,
                         sum(s.reclaimed for s in handles), sum(s.lost for s in handles))
             return handles
 

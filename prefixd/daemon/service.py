@@ -199,6 +199,11 @@ class PrefixCacheService(AdminRpcs, pb_grpc.PrefixCacheServicer):
                 out.seq_id = seq.id
                 out.block_table = table_bytes(seq.block_table)
                 out.tokens = bytes(seq.tokens)
+        # NOTE: answered once the reopen's records (the sequences now in this session) are
+        # durable: from the reply on the client reclaims from this session only, and a kill
+        # before those records were written brought the sequences back under the old one,
+        # which it no longer asks for (tests/crash/test_reclaim_durable.py).
+        await durable(session.pool.flush())
         return reply
 
     # -- sequences -----------------------------------------------------------------------------

@@ -92,7 +92,8 @@ class RemoteStore:
         if not blocks or self._links.closed:
             return 0
         keys = [self.key(b.block_hash) for b in blocks]
-        owners = self._links.nodes_of(keys)
+        deadline = self._links.batch_deadline("put")  # the slot map's reload and the writes
+        owners = self._links.nodes_of(keys, deadline)
         if owners is None:
             self._count(skipped_down=len(blocks))
             return 0
@@ -105,7 +106,7 @@ class RemoteStore:
                 continue
             groups.setdefault(owner, []).append(("SET", key, encode(block)))
         written = errors = timeouts = oom = 0
-        for node, replies in self._links.pipeline(groups, "put").items():
+        for node, replies in self._links.pipeline(groups, "put", deadline).items():
             if isinstance(replies, NodeFailure):
                 self._links.mark_down(node, replies.cause)
                 timeouts += replies.timeout
@@ -162,14 +163,16 @@ class RemoteStore:
         if not hashes or self._links.closed:
             return []
         keys = [self.key(h) for h in hashes]
-        owners = self._links.nodes_of(keys)
+        # one deadline for the fetch: the slot map's reload (if due) and every node's reads
+        deadline = self._links.batch_deadline("get")
+        owners = self._links.nodes_of(keys, deadline)
         if owners is None:
             self._count(misses=len(hashes), skipped_down=len(hashes))
             return []
         now = time.monotonic()
         limit = next((i for i, o in enumerate(owners) if not o or self._links.is_down(o, now)),
                      len(keys))
-        values, errors, timeouts = self._fetch(keys[:limit], owners[:limit])
+        values, errors, timeouts = self._fetch(keys[:limit], owners[:limit], deadline)
         run: list[RemoteBlock] = []
         parent = None
         bad = None
@@ -193,8 +196,10 @@ class RemoteStore:
                     errors=errors, timeouts=timeouts, corrupt=int(corrupt), mismatch=int(mismatch))
         return run
 
-    def _fetch(self, keys: list[bytes], owners: list[str]) -> tuple[list[bytes | None], int, int]:
-        """Values of ``keys`` (None where absent or lost): one MGET per hash slot, all nodes at once."""
+    def _fetch(self, keys: list[bytes], owners: list[str],
+               deadline: float) -> tuple[list[bytes | None], int, int]:
+        """Values of ``keys`` (None where absent or lost): one MGET per hash slot, all nodes at
+        once, every node's reply by ``deadline``."""
         values: list[bytes | None] = [None] * len(keys)
         if not keys:
             return values, 0, 0
@@ -207,7 +212,7 @@ class RemoteStore:
             groups.setdefault(owner, []).append(("MGET", *(keys[i] for i in idx)))
             positions.setdefault(owner, []).append(idx)
         errors = timeouts = 0
-        for node, replies in self._links.pipeline(groups, "get").items():
+        for node, replies in self._links.pipeline(groups, "get", deadline).items():
             if isinstance(replies, NodeFailure):
                 self._links.mark_down(node, replies.cause)
                 timeouts += replies.timeout
