@@ -58,7 +58,8 @@ class Attachment:
 
     def __init__(self, socket_path: str, layout: KVLayout, name: str, *, mapped: bool | None,
                  lease_renew: float | None, reconnect: bool, backoff: Backoff | None,
-                 timeout_s: float | None, request_timeout_ms: float | None = None) -> None:
+                 timeout_s: float | None, request_timeout_ms: float | None = None,
+                 max_model_len: int | None = None) -> None:
         if not isinstance(layout, KVLayout):
             raise InvalidArgument(f"layout must be a prefixd.client.KVLayout, got {type(layout).__name__}")
         self.socket_path = str(socket_path)
@@ -71,6 +72,9 @@ class Attachment:
         # -- fail fast (breaker.py): request-path calls get ``request_timeout_ms``, Attach,
         # Reclaim and the bulk KV rpcs keep ``timeout_s``; None: no breaker, one deadline
         self._bulk_timeout = timeout_s
+        if max_model_len is not None and (not isinstance(max_model_len, int) or not 0 < max_model_len < 2**32):
+            raise InvalidArgument(f"max_model_len must be a positive int (or None), got {max_model_len!r}")
+        self._max_model_len = max_model_len or 0
         self._breaker: Breaker | None = None
         if request_timeout_ms is not None:
             if not request_timeout_ms > 0:
@@ -161,7 +165,8 @@ class Attachment:
 
     def _attach_rpc(self, *, retry: bool) -> pb.AttachReply:
         """Attach (with backoff while UNAVAILABLE when ``retry``); nothing of it is used yet."""
-        request = pb.AttachRequest(client_name=self.name, layout=pb.KVLayout(**_layout_fields(self.layout)))
+        request = pb.AttachRequest(client_name=self.name, layout=pb.KVLayout(**_layout_fields(self.layout)),
+                                   max_model_len=self._max_model_len)
         waits = self._backoff.waits()
         while True:
             try:

@@ -60,7 +60,8 @@ log = logging.getLogger(__name__)
 
 def connect(socket_path: str, layout: KVLayout, name: str = "prefixd-client", *, mapped: bool | None = None,
             lease_renew: float | None = None, reconnect: bool = True, backoff: Backoff | None = None,
-            timeout_s: float | None = 60.0, request_timeout_ms: float | None = None) -> "Session":
+            timeout_s: float | None = 60.0, request_timeout_ms: float | None = None,
+            max_model_len: int | None = None) -> "Session":
     """Attach to the daemon on ``socket_path`` for ``layout``; use as a context manager.
 
     Args:
@@ -77,13 +78,17 @@ def connect(socket_path: str, layout: KVLayout, name: str = "prefixd-client", *,
             restart), every call raises ``DaemonNotAnswering`` (an ``Unavailable``) at once.
             Calls are then never retried inside the library. None (default): no breaker; calls
             wait through a restart as described in the module docstring.
+        max_model_len: the longest request this client runs, in tokens (None: unknown); the
+            daemon refuses the Attach when one such request cannot fit the pool.
     Raises:
         Unavailable: no daemon answered (within the backoff's total when ``reconnect``);
-        InvalidArgument: the daemon refused the layout; MappingError: ``mapped=True`` and the
+        InvalidArgument: the daemon refused the layout; ResourceExhausted: the pool cannot hold
+        one request of ``max_model_len`` (the message names the config key); MappingError: ``mapped=True`` and the
         pool cannot be mapped.
     """
     return Session(socket_path, layout, name, mapped=mapped, lease_renew=lease_renew, reconnect=reconnect,
-                   backoff=backoff, timeout_s=timeout_s, request_timeout_ms=request_timeout_ms)
+                   backoff=backoff, timeout_s=timeout_s, request_timeout_ms=request_timeout_ms,
+                   max_model_len=max_model_len)
 
 
 class Session(Attachment):
