@@ -33,6 +33,12 @@ from prefixd.client.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
+# NOTE: 1 s. On the 2-core dev host at load 16 a healthy daemon's open + release had a p99 of
+# 77 ms but a worst call of ~0.5 s (bench/faults.py ``healthy``), so 500 ms tripped the breaker
+# on a daemon that was only slow; 1 s is twice that worst, and a hung daemon costs one call
+# 1 s once per outage (against 5 s on every request before the breaker).
+DEFAULT_REQUEST_TIMEOUT_MS = 1000.0
+
 
 class DaemonNotAnswering(Unavailable):
     """Refused locally: the session's breaker is open (the daemon missed a deadline or was

@@ -14,11 +14,12 @@ import time
 import pytest
 
 import prefixd.client as pc
+from prefixd.client.breaker import DEFAULT_REQUEST_TIMEOUT_MS
 from prefixd.client.breaker import DaemonNotAnswering
 from tests.daemon.harness import start_daemon
 
 LAYOUT = pc.KVLayout("fail-fast-test", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4)
-DEADLINE_MS = 250
+DEADLINE_MS = DEFAULT_REQUEST_TIMEOUT_MS  # the default: a healthy loaded daemon must not trip it
 MARGIN_S = 0.75
 PROMPT = list(range(100, 124))
 

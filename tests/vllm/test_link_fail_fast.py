@@ -11,13 +11,14 @@ import signal
 import time
 
 from prefixd.api.layout import KVLayout
+from prefixd.client.breaker import DEFAULT_REQUEST_TIMEOUT_MS
 from prefixd.client.vllm.daemon_link import DaemonLink
 from prefixd.client.vllm.scheduler import SchedulerSide
 from tests.daemon.harness import start_daemon
 
 BS = 4
 LAYOUT = KVLayout("link-ff", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", block_size=BS)
-DEADLINE_MS = 250
+DEADLINE_MS = DEFAULT_REQUEST_TIMEOUT_MS  # the default: a healthy loaded daemon must not trip it
 MARGIN_S = 0.75
 BOUND_S = DEADLINE_MS / 1000 + MARGIN_S
 

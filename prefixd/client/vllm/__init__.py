@@ -20,7 +20,7 @@ llm = LLM(model=MODEL_DIR, kv_transfer_config=KVTransferConfig(
 - ``prefixd.model_id``: the pool's model id (default: the ``model`` vLLM was given, as given;
   two vLLMs share a pool only with the same id, block size, dtype and shape, so set it when
   the same model is loaded from different paths).
-- ``prefixd.request_timeout_ms`` (500): deadline of every daemon call on vLLM's engine thread.
+- ``prefixd.request_timeout_ms`` (1000): deadline of every daemon call on vLLM's engine thread.
   A call that misses it (a hung or dead daemon) trips the session's circuit breaker: every
   later call is a miss answered at once until a background probe sees the daemon answer.
 - ``prefixd.timeout_s`` (30): deadline of Attach, which runs on a background thread (the

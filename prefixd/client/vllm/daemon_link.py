@@ -23,7 +23,7 @@ import os
 import threading
 import time
 
-from prefixd.client.breaker import DaemonNotAnswering
+from prefixd.client.breaker import DEFAULT_REQUEST_TIMEOUT_MS, DaemonNotAnswering
 from prefixd.client.errors import (DaemonRestarted, DeadlineExceeded, InvalidArgument, MappingError, NotFound,
                                    PrefixdError, ResourceExhausted, Unavailable)
 from prefixd.client.reconnect import Backoff
@@ -69,7 +69,7 @@ class DaemonLink:
     """
 
     def __init__(self, socket: str, layout, name: str, *, mapped: bool, timeout_s: float, retry_s: float,
-                 request_timeout_ms: float = 500.0, max_model_len: int | None = None,
+                 request_timeout_ms: float = DEFAULT_REQUEST_TIMEOUT_MS, max_model_len: int | None = None,
                  connector=connect) -> None:
         self.socket = socket
         self.layout = layout

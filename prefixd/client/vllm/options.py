@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from prefixd.client.breaker import DEFAULT_REQUEST_TIMEOUT_MS
+
 DURABILITIES = ("index", "crash", "power")
 KNOWN_KEYS = ("prefixd.socket", "prefixd.durability", "prefixd.model_id", "prefixd.timeout_s",
               "prefixd.request_timeout_ms", "prefixd.retry_s", "prefixd.log_level")
-# NOTE: 500 ms: a healthy daemon answers an Open in ~3 ms here and its p99 under the test
-# suite's load stays far below (bench/faults.py ``healthy``), while a vLLM time to first token
-# is 400-600 ms; a hung daemon then costs one request at most one more TTFT, once per outage.
-DEFAULT_REQUEST_TIMEOUT_MS = 500.0
 
 
 @dataclasses.dataclass(frozen=True)
