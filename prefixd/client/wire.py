@@ -7,7 +7,6 @@ from __future__ import annotations
 import struct
 import sys
 
-import numpy as np
 
 from prefixd.api.layout import as_token_bytes
 from prefixd.client.errors import InvalidArgument
@@ -45,4 +44,6 @@ def unpack_ints(raw: bytes) -> list[int]:
     for a 136-entry table on cold caches, numpy's ``frombuffer`` + ``tolist`` 34."""
     if _NATIVE_LE_I32:
         return memoryview(raw).cast("i").tolist()
+    import numpy as np  # big-endian hosts only
+
     return np.frombuffer(raw, dtype="<i4").tolist()
