@@ -10,10 +10,14 @@ latency counts like any other. One daemon (``prefixd.tools.daemon_proc``, small 
 temporary directory) goes through three phases, each a window of requests by start time:
 
 - ``healthy``: ``--phase-s`` seconds of normal service;
-- ``hung``: the daemon SIGSTOPped for ``--stop-s`` seconds, then SIGCONT; the window ends
-  ``--tail-s`` after the SIGCONT;
+- ``hung``: the daemon SIGSTOPped for ``--stop-s`` seconds, then SIGCONT;
 - ``dead``: the daemon SIGKILLed, restarted on the same state at once (its start counted
-  inside the window), the window ends ``--tail-s`` after it serves again.
+  inside the window).
+
+A fault's window runs from the signal until every client has had a request answered again
+(``recovered_s``: that moment, after the SIGCONT or after the restarted daemon serves): the
+fault's whole cost as a client sees it, and nothing of the service after it. ``--tail-s`` of
+service follows each fault before the next begins.
 
 For each: ``p50_ms``, ``p99_ms``, ``max_ms``, ``requests``, ``misses``, and ``slow`` (requests
 that took at least half the request deadline: with the breaker, about one per client per
@@ -81,7 +85,7 @@ def client_main(args: dict) -> None:
             session.release(seq, commit=True, durability="index")
         except pc.PrefixdError:
             ok = False
-        records.append((t0, time.monotonic() - t0, ok))
+        records.append((t0, time.monotonic() - t0, ok, args["seed"]))
         i += 1
         next_at = max(next_at + args["period_s"], time.monotonic())
         time.sleep(max(0.0, next_at - time.monotonic()))
@@ -117,7 +121,7 @@ class Clients:
                 raise RuntimeError("a client did not start (see its stderr)")
             time.sleep(0.05)
 
-    def stop(self) -> list[tuple[float, float, bool]]:
+    def stop(self) -> list[tuple[float, float, bool, int]]:
         open(self.stop_file, "w").close()
         records = []
         for p, (out, _) in zip(self.procs, self.outs):
@@ -126,6 +130,18 @@ class Clients:
             with open(out) as f:
                 records.extend(tuple(r) for r in json.load(f))
         return records
+
+
+def recovered(records, after: float) -> float:
+    """When every client had a request answered again after ``after`` (the fault's end): the
+    end of the first successful request each client started after it, the latest of them."""
+    firsts: dict[int, float] = {}
+    for t0, lat, ok, client in sorted(records):
+        if ok and t0 >= after and client not in firsts:
+            firsts[client] = t0 + lat
+    if len(firsts) < len({r[3] for r in records}):
+        raise RuntimeError("a client never had a request answered after the fault")
+    return max(firsts.values())
 
 
 def window(records, start: float, end: float, deadline_s: float) -> dict:
@@ -170,9 +186,12 @@ def fault_phases(opts, work: str) -> dict:
             records = clients.stop()
         d.stop()
     dl = opts.request_timeout_ms / 1000
+    hung_end, dead_end = recovered(records, t_cont), recovered(records, t_served)
     return {"healthy": window(records, t_healthy, t_stop, dl),
-            "hung": {**window(records, t_stop, t_cont + opts.tail_s, dl), "stopped_s": round(t_cont - t_stop, 2)},
-            "dead": {**window(records, t_kill, t_served + opts.tail_s, dl), "restart_s": round(restart_s, 2)},
+            "hung": {**window(records, t_stop, hung_end, dl), "stopped_s": round(t_cont - t_stop, 2),
+                     "recovered_s": round(hung_end - t_cont, 3)},
+            "dead": {**window(records, t_kill, dead_end, dl), "restart_s": round(restart_s, 2),
+                     "recovered_s": round(dead_end - t_served, 3)},
             "_end": t_end}
 
 

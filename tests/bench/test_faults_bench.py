@@ -34,6 +34,7 @@ def test_faults_bench_quick_prints_every_phase():
     # one call per client waits the deadline and trips its breaker; without it, every call would
     assert out["hung"]["slow"] <= 2 * out["params"]["clients"] < out["hung"]["misses"], out["hung"]
     assert out["hung_over_dead_p99"] is not None and out["hung_over_dead_p99"] > 0, out
+    assert 0 <= out["hung"]["recovered_s"] < 30 and 0 <= out["dead"]["recovered_s"] < 30, out
     ck = out["checkpoint"]
     assert ck["checkpoint_s"] > 0 and ck["blocks_by_tier"][2] >= ck["blocks"] * 0.9
     assert "loop_lag_p99_ms" in out and (out["loop_lag_p99_ms"] is None) == (not ck["loop_lag_exported"])

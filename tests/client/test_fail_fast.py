@@ -95,6 +95,7 @@ def test_killed_daemon_costs_no_more_and_the_session_recovers_after_restart():
     with start_daemon(lease_s=10.0) as d, pc.connect(d.socket, LAYOUT, name="ff", mapped=False,
                                                       request_timeout_ms=DEADLINE_MS) as s:
         warm(s)
+        held = s.open(PROMPT)  # committed prefix, held across the crash
         old_id = s.id
         d.kill()
         t_end = time.monotonic() + 5.0
@@ -106,6 +107,12 @@ def test_killed_daemon_costs_no_more_and_the_session_recovers_after_restart():
         assert all(isinstance(c[2], pc.Unavailable) for c in calls)
         assert back is not None and back <= 2.0, back
         assert s.id != old_id and s.recoveries == 1
+        # the probe reclaimed the held sequence off the caller's thread; its handle says so once
+        assert held.reclaimed and held.num_tokens == len(PROMPT)
+        with pytest.raises(pc.DaemonRestarted):
+            s.extend(held, [7])
+        s.extend(held, [7])
+        assert len(held) == len(PROMPT) + 1
         s.check_invariants()
 
 
