@@ -95,7 +95,8 @@ def test_killed_daemon_costs_no_more_and_the_session_recovers_after_restart():
     with start_daemon(lease_s=10.0) as d, pc.connect(d.socket, LAYOUT, name="ff", mapped=False,
                                                       request_timeout_ms=DEADLINE_MS) as s:
         warm(s)
-        held = s.open(PROMPT)  # committed prefix, held across the crash
+        held = s.open(PROMPT)  # committed, and held across the crash
+        s.commit(held)
         old_id = s.id
         d.kill()
         t_end = time.monotonic() + 5.0
