@@ -21,6 +21,18 @@ LAYOUT = KVLayout("link-ff", num_layers=1, num_kv_heads=1, head_dim=8, dtype="fl
 DEADLINE_MS = DEFAULT_REQUEST_TIMEOUT_MS  # the default: a healthy loaded daemon must not trip it
 MARGIN_S = 0.75
 BOUND_S = DEADLINE_MS / 1000 + MARGIN_S
+SMALL_POOL = """
+[engine]
+shm_dir = "{shm}"
+
+[engine.blocks]
+device = 16
+host = 16
+disk = 0
+
+[daemon]
+lease_s = {lease_s}
+"""
 
 
 def timed(fn):
@@ -106,3 +118,25 @@ def test_hung_then_killed_daemon_costs_each_request_at_most_the_deadline():
         side.finished("again")
         side.check_invariants()
         side.shutdown()
+
+
+def test_a_pool_too_small_for_max_model_len_is_said_once_and_every_call_misses_at_once(caplog):
+    """The daemon refuses the Attach (RESOURCE_EXHAUSTED naming the key); the connector says
+    so at WARNING once (not per request) and answers every request as a miss without waiting."""
+    with start_daemon(SMALL_POOL) as d:
+        link = DaemonLink(d.socket, LAYOUT, "small", mapped=False, timeout_s=10, retry_s=0.2,
+                          request_timeout_ms=DEADLINE_MS, max_model_len=4096)
+        with caplog.at_level(logging.WARNING, logger="prefixd.client.vllm"):
+            link.start()
+            t0 = time.monotonic()
+            while not link.stats.connect_failures:
+                assert time.monotonic() - t0 < 60
+                time.sleep(0.01)
+            took = [timed(lambda: link.call("open", lambda s: s.open([1] * 8), "miss")) for _ in range(20)]
+        assert all(out == "miss" for _, out in took) and max(t for t, _ in took) <= BOUND_S, took
+        lines = [r.getMessage() for r in caplog.records if "reason=pool too small" in r.getMessage()]
+        assert len(lines) == 1, [r.getMessage() for r in caplog.records]
+        assert "[engine.blocks] device" in lines[0] and "max_model_len=4096" in lines[0]
+        assert link.session is None
+        link.close()
+        link.check_invariants()
