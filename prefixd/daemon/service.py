@@ -24,6 +24,7 @@ import grpc
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.api import prefixd_pb2_grpc as pb_grpc
 from prefixd.api.layout import KVLayout, as_token_bytes
+from prefixd.daemon import admission
 from prefixd.daemon.ack_wait import durable
 from prefixd.daemon.admin_rpc import AdminRpcs
 from prefixd.daemon import kv_rpc
@@ -136,6 +137,7 @@ class PrefixCacheService(AdminRpcs, pb_grpc.PrefixCacheServicer):
     async def Attach(self, request, context):
         layout = layout_of(request.layout)
         name = request.client_name[:128] or "unnamed"
+        admission.check_attach(self.core.engine_config, self.tenant, layout, request.max_model_len)
         pool = self._pool(layout)
         session = self.core.sessions.attach(self.tenant, name, layout, pool)
         return pb.AttachReply(session_id=session.id, lease_s=self.core.config.lease_s,
