@@ -8,7 +8,7 @@ import pytest
 
 import prefixd.client as pc
 from prefixd.daemon import admission
-from prefixd.engine.config import EngineConfig, TierSizes
+from prefixd.config import EngineConfig, TierSizes
 from prefixd.api.layout import KVLayout
 from prefixd.daemon.status import RpcFailure
 from tests.daemon.harness import start_daemon
