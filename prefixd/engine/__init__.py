@@ -3,10 +3,12 @@ together (DESIGN.md "The parts").
 
 Modules, one concept each: ``engine`` (``Engine``: every pool, tenant x layout, of one state
 directory behind one lock), ``config`` (``EngineConfig``: every setting, validated, from TOML),
-``durable`` (``DurableCache``: one pool's operations and the write order), ``recovery``
-(opening a state directory), ``replay`` (the log tail onto the tree), ``reconcile`` (what a
-restart drops), ``snapshot`` (the tree as checkpoint values), ``records`` (cache events as WAL
-records), ``errors``.
+``durable`` (``DurableCache``: one pool's operations and the write order), ``upkeep`` (the
+pool's log step and the work that follows it: quarantine release, headroom, spill, checkpoint),
+``recovery`` (what a pool is rebuilt from: ``recover`` returns ``Recovered``), ``replay`` (the
+log tail onto the tree), ``reconcile`` (what a restart drops), ``checkpoint`` (the tree as
+checkpoint values, and when one is due), ``kv_io`` (a pool's KV by token: the rules and the
+copies), ``records`` (cache events as WAL records), ``errors``.
 """
 
 from prefixd.engine.config import EngineConfig, Tenant, TierSizes

@@ -178,7 +178,7 @@ class ClusterTier:
 
         NOTE: counted by the commit's return value, not found among the cache's pending
         ``BlocksStored`` events: a commit whose write-through ran short of quarantined slots
-        logs (drains) the events inside the commit (``_force_reclaim``)."""
+        logs (drains) the events inside the commit (``Upkeep.force_release``)."""
         if not added or self.min_hits or (self.config.write_policy == "power"
                                           and durability != "power"):
             return
