@@ -6,7 +6,7 @@ survive it is dropped: ``Replayer.restart``, ``prefixd.engine.reconcile``), a lo
 refused or forgotten, allocators and eviction queues rebuilt, recovered sequences held for
 reclaim, and (``eager``) every disk block verified. It returns a ``Recovered`` value and
 writes nothing to the log: the caller assigns it, then takes the first checkpoint or appends
-the RECOVER record (``DurableCache.__init__``).
+the RECOVER record (``Upkeep.open_epoch``, from ``DurableCache.__init__``).
 """
 
 from __future__ import annotations
