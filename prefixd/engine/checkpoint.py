@@ -2,9 +2,9 @@
 
 A checkpoint folds the log into the whole index: ``dump`` / ``load`` turn the tree into a few
 columnar arrays (tree order) and back, ``CheckpointTrigger`` says when one is due, and ``take``
-writes one through the WAL, which stores it (``prefixd.wal.checkpoint``: chunked, checksummed
-values, and the log truncated in the same transaction). ``Upkeep.checkpoint`` runs ``take``
-once nothing is held behind a disk barrier.
+writes one through the WAL, which stores it (``prefixd.wal.checkpoint_store``: chunked,
+checksummed values, and the log truncated in the same transaction). ``Upkeep.checkpoint`` runs
+``take`` once nothing is held behind a disk barrier.
 
 Layout (``index`` values; arrays are little-endian numpy buffers):
 

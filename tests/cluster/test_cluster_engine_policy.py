@@ -21,7 +21,7 @@ from tests.cluster.hosts import BS, LAYOUT, config, host, kv_of, prompt, serve, 
 
 
 class FakeStore:
-    """``RemoteStore``'s interface over a dict; ``gate`` (an Event) holds every ``put``."""
+    """``ClusterStore``'s interface over a dict; ``gate`` (an Event) holds every ``put``."""
 
     def __init__(self, values=None) -> None:
         self.values = {} if values is None else values
