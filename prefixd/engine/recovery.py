@@ -20,7 +20,7 @@ from typing import NamedTuple
 from prefixd.engine import checkpoint
 from prefixd.cache.errors import CacheError
 from prefixd.engine.errors import IndexLostError, TierLostError
-from prefixd.engine.reconcile import surviving
+from prefixd.engine.reconcile import forget_tier
 from prefixd.cache.hashing import root_hash
 from prefixd.cache.node import DISK, HOST
 from prefixd.cache.prefix_cache import PrefixCache
@@ -275,11 +275,7 @@ class _Recovery:
             return 0
         if not self.forget_missing_tier:
             raise TierLostError(self.state_dir, path, num_blocks)
-        for node in reversed(list(tree.nodes())):  # children before their parents
-            if node.slots[tier] is not None:
-                tree.unplace(node, tier)
-        for seq in seqs.values():
-            seq[1] = surviving(seq[1])
+        forget_tier(tree, tier, seqs)
         log.warning("pool file missing: its blocks are forgotten (forget_missing_tier) path=%s blocks=%d",
                     path, num_blocks)
         return num_blocks
