@@ -201,10 +201,10 @@ def build_pool(d: DaemonProc, n: int) -> dict:
     """Fill the daemon's pool of ``recovery.LAYOUT`` with ``n`` indexed disk blocks through the
     engine itself (so manifest and tenant salt are the daemon's), then checkpoint and close."""
     import recovery
-    from prefixd.daemon import settings
+    from prefixd.config import load
     from prefixd.engine.engine import Engine
 
-    engine_config, _ = settings.load(d.config_path)
+    engine_config, _ = load(d.config_path)
     t0 = time.perf_counter()
     engine = Engine(d.state_dir, engine_config)
     try:

@@ -42,7 +42,8 @@ _CHANNEL_OPTIONS = [
 class Attachment:
     """One client's attachment: session id, lease, pool mappings, live sequences, recovery.
 
-    ``Session`` (session.py) adds the API calls; this class owns the connection and its state.
+    A ``Session`` (session.py) holds one and adds the API calls; this class owns the
+    connection and its state.
 
     Data structure:
         ``id``/``epoch``/``tenant``/``lease_s``/``max_message_bytes``: from the last Attach.

@@ -1,6 +1,6 @@
 """Reconnecting after a daemon restart: the backoff schedule, the Reclaims, applying their reply.
 
-The procedure itself is ``Session._recover`` (it owns the session's state); the pieces here are
+The procedure itself is ``Attachment._recover`` (it owns the session's state); the pieces here are
 small and unit-tested on their own (``reclaim_sessions`` only calls the stub it is given).
 """
 

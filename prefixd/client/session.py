@@ -91,11 +91,63 @@ def connect(socket_path: str, layout: KVLayout, name: str = "prefixd-client", *,
                    max_model_len=max_model_len)
 
 
-class Session(Attachment):
-    """The client API over one attachment (see ``Attachment`` for its state and invariants).
+def _attached(name: str, doc: str | None = None) -> property:
+    """An attribute of the session that is its attachment's (read and set through)."""
+    return property(lambda self: getattr(self.attachment, name),
+                    lambda self, value: setattr(self.attachment, name, value), doc=doc)
+
+
+class Session:
+    """The client API over one attachment, which it holds (``attachment``: the channel, the
+    session id, the lease, the live handles and recovery; see ``Attachment`` for its state and
+    invariants).
 
     Every method that names a ``Sequence`` updates it in place from the daemon's reply.
     """
+
+    def __init__(self, socket_path: str, layout: KVLayout, name: str, *, mapped: bool | None,
+                 lease_renew: float | None, reconnect: bool, backoff: Backoff | None,
+                 timeout_s: float | None) -> None:
+        self.attachment = Attachment(socket_path, layout, name, mapped=mapped, lease_renew=lease_renew,
+                                     reconnect=reconnect, backoff=backoff, timeout_s=timeout_s)
+
+    # -- the attachment's state and lifecycle --------------------------------------------------
+
+    socket_path = _attached("socket_path")
+    layout = _attached("layout")
+    name = _attached("name")
+    id = _attached("id", "The session id of the last Attach (a recovery changes it).")
+    epoch = _attached("epoch", "The daemon's epoch at the last Attach.")
+    tenant = _attached("tenant")
+    lease_s = _attached("lease_s")
+    max_message_bytes = _attached("max_message_bytes")
+    pool = _attached("pool", "The mapped device pool (``MappedPool``), or None (KV over the rpcs).")
+    recoveries = _attached("recoveries", "How many recoveries re-attached this session.")
+    mapped = _attached("mapped", "True when KV and attention go through the mapped pool.")
+    lease_held = _attached("lease_held", "True while the keep-alive stream is up (``Attachment.lease_held``).")
+    # what the calls below use of the attachment: its stub, deadline, live handles and call path
+    _stub = _attached("_stub")
+    _timeout = _attached("_timeout")
+    _live = _attached("_live")
+    _closed = _attached("_closed")
+    _call = _attached("_call")
+    _check_lease = _attached("_check_lease")
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> int:
+        """Detach (``Attachment.close``): the daemon releases every sequence still held.
+        Returns the sequences it released (0 if the daemon was gone). Idempotent."""
+        return self.attachment.close()
+
+    detach = close
+
+    def check_invariants(self) -> None:
+        self.attachment.check_invariants()
 
     # -- the API -----------------------------------------------------------------------------
 

@@ -195,7 +195,7 @@ def test_evicted_lower_tier_slots_wait_for_the_log_before_reuse(make):
     dc.cache.evict(2, HOST)    # host -> disk: host slots quarantined
     assert dc.cache.allocators[HOST].num_deferred == 2
     dc.flush().result()
-    dc._reclaim()
+    dc.upkeep.release_durable()
     assert dc.cache.allocators[HOST].num_deferred == 0
     dc.check_invariants()
 

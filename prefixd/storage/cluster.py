@@ -1,9 +1,9 @@
 """The cluster tier's client: content-addressed, immutable blocks in a Redis Cluster (issue 15).
 
-``RemoteStore`` is the storage half of the cluster tier; the engine owns the policy (what to
+``ClusterStore`` is the storage half of the cluster tier; the engine owns the policy (what to
 write behind, when to ask, where to promote). Every failure of the cluster is a miss or a skipped
-write, never an exception and never a stall past the timeouts: see ``remote_nodes`` for routing
-and node health, ``remote_value`` for the key and value format and the checks on read.
+write, never an exception and never a stall past the timeouts: see ``cluster_nodes`` for routing
+and node health, ``cluster_value`` for the key and value format and the checks on read.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Sequence
 from redis.crc import key_slot
 from redis.exceptions import MovedError, OutOfMemoryError, ResponseError
 
-from prefixd.storage.remote_nodes import ClusterLinks, NodeFailure
-from prefixd.storage.remote_value import (HASH_BYTES, RemoteBlock, Verdict, check_block, decode,
+from prefixd.storage.cluster_nodes import ClusterLinks, NodeFailure
+from prefixd.storage.cluster_value import (HASH_BYTES, ClusterBlock, Verdict, check_block, decode,
                                           encode, key_of, namespace_digest)
 
-__all__ = ["RemoteBlock", "RemoteStore", "STAT_NAMES"]
+__all__ = ["ClusterBlock", "ClusterStore", "STAT_NAMES"]
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ STAT_NAMES = ("hits", "misses", "corrupt", "mismatch", "errors", "timeouts", "wr
               "skipped_down", "oom")
 
 
-class RemoteStore:
+class ClusterStore:
     """Content-addressed, immutable blocks in a Redis Cluster under one namespace.
 
     Counters (``stats()``), all monotonic:
@@ -43,7 +43,7 @@ class RemoteStore:
             their node (or the whole cluster) was in an outage.
 
     Invariants: every counter >= 0; a value is returned by ``get_run`` only if every check in
-    ``remote_value.decode`` held for it and for every block before it in the run.
+    ``cluster_value.decode`` held for it and for every block before it in the run.
 
     NOTE: ``get_run`` asks for every block up to the first one on a node that is down, in one
     pipelined batch per node with all nodes in flight at once, and cuts the run afterwards. Asking
@@ -77,7 +77,7 @@ class RemoteStore:
 
     # -- writes -------------------------------------------------------------------------------
 
-    def put(self, blocks: Sequence[RemoteBlock]) -> int:
+    def put(self, blocks: Sequence[ClusterBlock]) -> int:
         """Store ``blocks`` (pipelined, one batch per node); returns how many were written.
 
         A block on a node that is down, refused for memory or lost with its node's batch is
@@ -140,7 +140,7 @@ class RemoteStore:
 
     # -- reads --------------------------------------------------------------------------------
 
-    def get_run(self, hashes: Sequence[bytes], token_ids: Sequence[bytes]) -> list[RemoteBlock]:
+    def get_run(self, hashes: Sequence[bytes], token_ids: Sequence[bytes]) -> list[ClusterBlock]:
         """The longest leading run of ``hashes`` the cluster holds intact, with the asked tokens.
 
         Args:
@@ -148,7 +148,7 @@ class RemoteStore:
             token_ids: the packed int32 token ids each block must hold.
 
         Returns:
-            ``RemoteBlock`` for blocks 0..k-1 (k may be 0): each value present, its checksum
+            ``ClusterBlock`` for blocks 0..k-1 (k may be 0): each value present, its checksum
             good, its stored hash the asked one, its parent the previous hash, its tokens the
             asked ones. A value that fails a check is deleted and ends the run.
 
@@ -173,7 +173,7 @@ class RemoteStore:
         limit = next((i for i, o in enumerate(owners) if not o or self._links.is_down(o, now)),
                      len(keys))
         values, errors, timeouts = self._fetch(keys[:limit], owners[:limit], deadline)
-        run: list[RemoteBlock] = []
+        run: list[ClusterBlock] = []
         parent = None
         bad = None
         for i, value in enumerate(values):
