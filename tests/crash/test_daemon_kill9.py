@@ -62,17 +62,10 @@ class PlantedDaemon(DaemonProcess):
 
     planted = True
 
-    def start(self, *, wait: bool = True, timeout: float = 90.0) -> "DaemonProcess":
+    def argv(self) -> list[str]:
         if not self.planted:
-            return super().start(wait=wait, timeout=timeout)
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.daemon.gsp_load", "serve-planted", "serve", "--config",
-             self.config_path, "--state-dir", self.state_dir, "--socket", self.socket],
-            stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
-        if wait:
-            self.wait_serving(timeout)
-        return self
+            return super().argv()
+        return [sys.executable, "-m", "tests.daemon.gsp_load", "serve-planted", *self.serve_args()]
 
 
 class Forked:
@@ -109,23 +102,19 @@ class ForkedDaemon(DaemonProcess):
     once (``gsp_load.zygote``): a restart costs the daemon's recovery, not torch's import."""
 
     zygote: subprocess.Popen | None = None
+    exit_status_known = False  # the zygote reaps its children
 
-    def start(self, *, wait: bool = True, timeout: float = 90.0) -> "DaemonProcess":
+    def spawn(self, log) -> Forked:
         if self.zygote is None:
             self.zygote = subprocess.Popen(
                 [sys.executable, "-m", "tests.daemon.gsp_load", "zygote"], cwd=ROOT, env=self.env,
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        argv = ["serve", "--config", self.config_path, "--state-dir", self.state_dir,
-                "--socket", self.socket]
-        self.zygote.stdin.write(json.dumps([self.log_path] + argv) + "\n")
+        self.zygote.stdin.write(json.dumps([self.log_path] + self.serve_args()) + "\n")
         self.zygote.stdin.flush()
-        self.proc = Forked(int(self.zygote.stdout.readline()))
-        if wait:
-            self.wait_serving(timeout)
-        return self
+        return Forked(int(self.zygote.stdout.readline()))
 
-    def close(self) -> None:
-        super().close()
+    def close(self, check: bool = True) -> None:
+        super().close(check)
         if self.zygote is not None:
             self.zygote.stdin.close()
             self.zygote.wait(30)
@@ -326,6 +315,7 @@ def crash_at_a_group(planted: bool, n: int) -> None:
     the group is written), restart it plain, and ``verify`` every ack logged by then."""
     cls = PlantedDaemon if planted else DaemonProcess
     d = cls(config(), lease_s=30.0, env={"PREFIXD_CRASH": f"wal_before_commit:{n}"})
+    d.expect_exit(CRASH_EXIT_CODE)  # the armed crash point ends the first run
     out = os.path.join(d.base, "out")
     os.makedirs(out)
     clients = None

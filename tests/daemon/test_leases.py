@@ -298,6 +298,8 @@ def test_a_second_daemon_on_the_same_state_exits_naming_the_first_and_the_first_
     first = long
     second = DaemonProcess(CONFIG, lease_s=30.0)
     second.state_dir, second.socket = first.state_dir, first.socket  # same state AND socket
+    second.expect_exit(1)  # refused: the state directory is locked by the first
+    second.expect_log(r"^ERROR prefixd\.daemon: not starting: state directory lock .* is held by")
     try:
         second.start(wait=False)
         code = second.proc.wait(120)

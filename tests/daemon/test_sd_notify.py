@@ -95,7 +95,8 @@ def notified():
         d.start()
         _commit_some(d, 8)
         d.kill()
-        d.env.update(listener.env(watchdog_usec=300_000), PREFIXD_TEST_WATCHDOG_STALL=STALL)
+        d.env.update(listener.env(watchdog_usec=300_000))
+        d.entry = ["-m", "tests.daemon.launcher", "--watchdog-stall", STALL]
         d.start(wait=False)
         yield d, listener
 
