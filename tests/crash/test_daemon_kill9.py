@@ -27,6 +27,7 @@ import pytest
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.crashpoints import CRASH_EXIT_CODE
 from tests.daemon.gsp_load import BS, LineTail, digest, packed, pb_layout, read_kv
+from tests.daemon.forked import Forked, ForkedDaemon
 from tests.daemon.harness import ROOT, DaemonProcess
 
 CLIENTS = 8
@@ -66,58 +67,6 @@ class PlantedDaemon(DaemonProcess):
         if not self.planted:
             return super().argv()
         return [sys.executable, "-m", "tests.daemon.gsp_load", "serve-planted", *self.serve_args()]
-
-
-class Forked:
-    """A daemon forked by the zygote: the part of ``Popen`` the harness uses. The zygote reaps
-    it, so its exit status is unknown (-1) and only its end is seen."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.returncode = None
-
-    def poll(self):
-        if self.returncode is None:
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                self.returncode = -1
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def wait(self, timeout: float | None = None):
-        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
-        while self.poll() is None:
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"daemon {self.pid}", timeout)
-            time.sleep(0.005)
-        return self.returncode
-
-
-class ForkedDaemon(DaemonProcess):
-    """A ``DaemonProcess`` whose every start is a fork of one zygote that imported the daemon
-    once (``gsp_load.zygote``): a restart costs the daemon's recovery, not torch's import."""
-
-    zygote: subprocess.Popen | None = None
-    exit_status_known = False  # the zygote reaps its children
-
-    def spawn(self, log) -> Forked:
-        if self.zygote is None:
-            self.zygote = subprocess.Popen(
-                [sys.executable, "-m", "tests.daemon.gsp_load", "zygote"], cwd=ROOT, env=self.env,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.zygote.stdin.write(json.dumps([self.log_path] + self.serve_args()) + "\n")
-        self.zygote.stdin.flush()
-        return Forked(int(self.zygote.stdout.readline()))
-
-    def close(self, check: bool = True) -> None:
-        super().close(check)
-        if self.zygote is not None:
-            self.zygote.stdin.close()
-            self.zygote.wait(30)
 
 
 class Clients:

@@ -8,7 +8,7 @@ daemon's own ``main`` (nothing of it lives in the product).
   exists, as a hung engine call would (tests/daemon/test_sd_notify.py).
 - ``--background-error``: once serving, a callback on the loop raises, as a bug in a
   background task would; asyncio logs it at ERROR (the harness's own check must catch it).
-- ``--exit-status N``: the daemon stops cleanly but the process exits ``N``.
+- ``--exit-status N``: the daemon stops cleanly but its stop returns ``N`` (the exit status).
 """
 
 from __future__ import annotations
@@ -48,6 +48,18 @@ def install_background_error() -> None:
     server.Daemon.run = run_with_a_failing_callback
 
 
+def install_exit_status(status: int) -> None:
+    from prefixd.daemon import server
+
+    shutdown = server.Daemon._shutdown
+
+    async def shutdown_with_status(daemon, ticker):
+        await shutdown(daemon, ticker)
+        return status
+
+    server.Daemon._shutdown = shutdown_with_status
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tests.daemon.launcher")
     parser.add_argument("--watchdog-stall", metavar="PATH")
@@ -58,10 +70,11 @@ def main(argv: list[str]) -> int:
         install_watchdog_stall(ours.watchdog_stall)
     if ours.background_error:
         install_background_error()
+    if ours.exit_status is not None:
+        install_exit_status(ours.exit_status)
     from prefixd.daemon import cli
 
-    status = cli.main(rest)
-    return status if ours.exit_status is None else ours.exit_status
+    return cli.main(rest)
 
 
 if __name__ == "__main__":
