@@ -210,11 +210,15 @@ class Daemon:
         for task in list(core.keepalive_tasks):  # streams never end by themselves
             task.cancel()
         core.events.close()  # SubscribeEvents streams end UNAVAILABLE, naming where to resume
-        drained = await self._drain(core.config.shutdown_grace_s)
+        await self._drain(core.config.shutdown_grace_s)
         self._unlink_sockets()
         ticker.cancel()
         self._stop_metrics()
-        if not drained:
+        if core.open_calls and not core.in_flight:
+            log.warning("answers not sent within shutdown_grace_s=%.1f: their clients see the "
+                        "connection close (UNAVAILABLE) calls=%d", core.config.shutdown_grace_s,
+                        core.open_calls)
+        if core.in_flight:
             # a call still runs on the engine: closing it under the call is not safe, and the
             # log holds everything acknowledged, as after a crash
             log.error("calls still running after shutdown_grace_s=%.1f, stopping without a "
@@ -248,18 +252,14 @@ class Daemon:
             self._watch.stop()
             self._watch = None
 
-    async def _drain(self, grace: float) -> bool:
+    async def _drain(self, grace: float) -> None:
         """Wait (at most ``grace`` s) until no call runs in a handler and every answer went
-        out; returns whether that happened. The servers still accept meanwhile: a call
-        arriving is refused UNAVAILABLE by its handler (``check_serving``: the state is
-        ``stopping``)."""
+        out. The servers still accept meanwhile: a call arriving is refused UNAVAILABLE by its
+        handler (``check_serving``: the state is ``stopping``)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
-        while self.core.in_flight or self.core.open_calls:
-            if loop.time() >= deadline:
-                return False
+        while (self.core.in_flight or self.core.open_calls) and loop.time() < deadline:
             await asyncio.sleep(0.005)
-        return True
 
     def _unlink_sockets(self) -> None:
         """Remove the socket files: a client connecting from now on finds none (UNAVAILABLE)."""
