@@ -319,9 +319,10 @@ def test_sigterm_finishes_in_flight_commits_checkpoints_exits_0_and_the_restart_
     or UNAVAILABLE (and did not happen); the daemon checkpoints and exits 0; a Reclaim after
     the restart returns every sequence of the session.
 
-    Regression: the stop closed the servers at once, and ``grpc.aio`` answered the calls it had
-    received but not started with CANCELLED, which leaves a client unable to tell whether its
-    commit happened (server.py ``_drain`` now refuses them UNAVAILABLE first)."""
+    CANCELLED would leave a client unable to tell whether its commit happened: gRPC core's
+    server shutdown answers so the calls it read but had not handed to a handler, so the stop
+    never shuts the servers down (server.py ``_shutdown``'s NOTE; 200 stops:
+    tests/daemon/test_sigterm_drain.py)."""
     with start_daemon(CONFIG, lease_s=30.0) as d:
         stub = d.stub()
         sid = attach(stub)
