@@ -5,7 +5,8 @@ daemon's own ``main`` (nothing of it lives in the product).
                                     [--exit-status N] serve --config ...
 
 - ``--watchdog-stall PATH``: the watchdog's ``probe`` blocks the event loop while ``PATH``
-  exists, as a hung engine call would (tests/daemon/test_sd_notify.py).
+  exists, as a hung engine call would, with ``PATH.stalled`` present while it blocks
+  (tests/daemon/test_sd_notify.py).
 - ``--background-error``: once serving, a callback on the loop raises, as a bug in a
   background task would; asyncio logs it at ERROR (the harness's own check must catch it).
 - ``--exit-status N``: the daemon stops cleanly but its stop returns ``N`` (the exit status).
@@ -26,8 +27,12 @@ def install_watchdog_stall(path: str) -> None:
     real = lifecycle.probe
 
     def probe(core):
-        while os.path.exists(path):
-            time.sleep(0.05)
+        if os.path.exists(path):
+            with open(path + ".stalled", "w"):
+                pass  # the test waits for this: from here no ping can go out
+            while os.path.exists(path):
+                time.sleep(0.05)
+            os.unlink(path + ".stalled")
         return real(core)
 
     lifecycle.probe = probe  # the watchdog calls the module's global (lifecycle.py's NOTE)
