@@ -44,6 +44,20 @@ lease_s = 30.0
 """
 
 
+_PROFILED = """
+import atexit, cProfile, runpy, sys
+profile = cProfile.Profile()
+atexit.register(profile.dump_stats, {profile!r})
+sys.argv = sys.argv[1:]
+profile.enable()
+if sys.argv[0] == "-m":
+    sys.argv = sys.argv[1:]
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+else:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 class BenchDaemon(DaemonProc):
     """One daemon process over ``base/state`` on ``base/run/s.sock`` (``DaemonProc``, the one
     helper that starts a daemon), its pools in ``/dev/shm``; a context manager that starts it
@@ -52,8 +66,8 @@ class BenchDaemon(DaemonProc):
     Args:
         blocks: ``(device, host, disk)`` blocks of the gsp layout's pool.
         tiny: ``(model_id, device blocks)`` of the KV / Attend layout's pool.
-        profile: a path: run the daemon under ``python -m cProfile -o profile`` (written at
-            the clean stop).
+        profile: a path: run the daemon under cProfile, its stats written there at the clean
+            stop (by an exit handler: ``_PROFILED``).
         entry: what follows the interpreter instead of ``-m prefixd.daemon.cli`` (a script
             that wraps the daemon, as ``rpc_stage_probe.py``).
         sync: ``[engine] sync`` (``"commit"``: what ``bench/rpc.py`` measures; ``rpc_cpu.py``
@@ -68,7 +82,9 @@ class BenchDaemon(DaemonProc):
                  cpus: frozenset[int] | None = None, env: dict[str, str] | None = None) -> None:
         device, host, disk = blocks
         self.shm = tempfile.mkdtemp(prefix="prefixd-bench-", dir="/dev/shm")
-        prof = ["-m", "cProfile", "-o", profile] if profile else []
+        # the daemon ends its process itself (server.py's NOTE at _shutdown): the profile is
+        # written by an exit handler, which it runs
+        prof = ["-c", _PROFILED.format(profile=profile)] if profile else []
         super().__init__(tempfile.mkdtemp(prefix="pdb-", dir="/tmp"), config=CONFIG,
                          device=device, host=host, disk=disk, shm_dir=self.shm, env=env,
                          entry=prof + (entry or ["-m", "prefixd.daemon.cli"]),

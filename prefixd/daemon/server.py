@@ -24,6 +24,7 @@ restart).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import errno
 import grp
 import logging
@@ -133,7 +134,10 @@ class Daemon:
         await self._stop.wait()
         status = await self._shutdown(ticker)
         if self.end_process:
-            logging.shutdown()  # flush the log: nothing of Python's exit runs after this
+            # the exit handlers (a profiler's, a wrapper's) and the log's flush run; nothing
+            # else of the interpreter's exit does (it would shut the servers down)
+            atexit._run_exitfuncs()
+            logging.shutdown()
             os._exit(status)
         return status
 
