@@ -34,10 +34,9 @@ def limit_intra_op_threads() -> int:
     NOTE: Attend's kernel runs on a compute thread, not the process's first thread, and
     libgomp (torch's OpenMP on Linux) counts a team started there on top of that first
     thread: a team as wide as the CPUs makes it "throttled", and its workers sleep on a futex
-    between the kernel's many small parallel regions instead of spinning. On this 2-CPU host a
-    decode step of ``bench/rpc.py``'s attend section took 12-14 ms so (~80 futex waits a
-    call), 5.5-8 ms on the first thread, 7.6-10.7 ms single-threaded and 7.4-8.5 ms in two
-    single-threaded halves (``docs/design.md``, "Attend's kernel and libgomp").
+    between the kernel's many small parallel regions instead of spinning: a decode step takes
+    about half as long single-threaded, or split over single-threaded compute threads, as in
+    a throttled team (``docs/design.md``, "Daemon": "Attend's kernel leaves the loop").
     """
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
