@@ -173,7 +173,7 @@ class Daemon:
             except Exception as exc:  # noqa: BLE001 - logged; the loop keeps serving
                 log.error("engine tick failed error=%r", exc)
             try:
-                core.sessions.expire()
+                core.sessions.tick()
             except Exception as exc:  # noqa: BLE001
                 log.exception("lease sweep failed error=%r", exc)
 
