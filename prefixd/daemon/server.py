@@ -91,6 +91,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         lock = StateDirLock(self.state_dir)  # 1: before any socket
         try:
+            self.core.loop_lag.start(loop)  # the loop's lag, a metric from the start
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
             loop.add_signal_handler(signal.SIGHUP, self.reloader.request, "SIGHUP")
@@ -111,6 +112,7 @@ class Daemon:
                                      progress=self.core.progress))
         except BaseException:
             self.lifecycle.stopping()
+            self.core.loop_lag.stop()
             self._stop_watch()
             self._stop_metrics()
             await self._close_servers(0)
@@ -196,6 +198,7 @@ class Daemon:
         await asyncio.get_running_loop().run_in_executor(None, core.compute.shutdown)
         ticker.cancel()
         self._stop_metrics()
+        core.loop_lag.stop()
         status = 0
         try:
             lsns = core.engine.checkpoint()
