@@ -10,9 +10,13 @@ loop held for ``x`` seconds shows a sample of about ``x``. The samples feed
 - a cumulative histogram in ``LAG_S_BOUNDS`` (``prefixd_loop_lag_seconds`` on the Prometheus
   endpoint).
 
-NOTE: a sampling timer, as Node's ``monitorEventLoopDelay``: one stall of the loop is one late
-sample however long it lasts, so the p99 over samples reads a rare long stall as the max, not
-as the p99; both are reported. At 5 ms the timer costs the loop 200 short callbacks a second.
+NOTE: a timer sees one stall of the loop as one late firing however long the stall, so a
+0.5 s stall among 2,000 samples in 10 s would not move the p99, while every call that came
+during it waited. ``observe`` therefore also counts the firings the stall swallowed (as
+HdrHistogram's ``recordValueWithExpectedInterval`` corrects for coordinated omission): a lag
+``L`` is recorded with ``L - period``, ``L - 2 period``, ... down to one period, so the p99 is
+that of the wait of a call arriving at a random time. At 5 ms the timer costs the loop 200
+short callbacks a second.
 """
 
 from __future__ import annotations
@@ -69,12 +73,18 @@ class LoopLag:
         self._handle = self._loop.call_later(self.period_s, self._fire)
 
     def observe(self, now: float, lag: float) -> None:
-        """One sample: the timer due before ``now`` fired ``lag`` seconds late."""
-        self._counts[bisect.bisect_left(LAG_S_BOUNDS, lag)] += 1
-        self._sum += lag
-        self.num_samples += 1
+        """The timer due before ``now`` fired ``lag`` seconds late: that sample, and one for
+        each firing the lag swallowed (see the module's NOTE; at most a window's worth)."""
         recent = self._recent
-        recent.append((now, lag))
+        swallowed = min(int(lag / self.period_s), int(self.window_s / self.period_s))
+        for k in range(swallowed, -1, -1):
+            value = lag - k * self.period_s
+            if k and value <= 0:
+                continue
+            self._counts[bisect.bisect_left(LAG_S_BOUNDS, value)] += 1
+            self._sum += value
+            self.num_samples += 1
+            recent.append((now - k * self.period_s, value))
         horizon = now - self.window_s
         while recent[0][0] < horizon:
             recent.popleft()
