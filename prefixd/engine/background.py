@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 
 from prefixd.crashpoints import crash_point
-from prefixd.engine import snapshot as ckpt
+from prefixd.engine.checkpointer import Picture
 from prefixd.storage.errors import StorageError
 
 TICK_PERIOD_S = 0.1  # how often the daemon's loop is expected to call ``DurableCache.tick``
@@ -114,16 +114,53 @@ class BackgroundWork:
         if self.cluster.tick():
             self._log()
 
+    # -- checkpoint: a picture on the engine's thread, its bytes anywhere, the write on the log's
+    # committer (``prefixd.engine.checkpointer``); ``checkpoint`` runs the three in a row, the
+    # daemon runs them apart so that its loop serves meanwhile (``prefixd.daemon.offloop``)
+
+    on_checkpoint_due = None  # None: the log step checkpoints inline; else called instead
+
+    def _checkpoint_due(self) -> None:
+        """The log step's trigger fired (records or blocks since the last checkpoint)."""
+        if self.on_checkpoint_due is None:
+            self.checkpoint()
+        else:
+            self.on_checkpoint_due()
+
+    def checkpoint_barrier(self):
+        """The disk barrier (a Future) a checkpoint would wait for now, or None: a caller that
+        must not block waits for it first, then ``begin_checkpoint`` does not block."""
+        self._submit_events()
+        return self._order.pending_barrier()
+
+    @poison_on_storage_error
+    def begin_checkpoint(self) -> Picture:
+        """Settle the log and picture the state at its last lsn (on the engine's thread)."""
+        self._settle()  # every event logged, none held behind a disk barrier: the picture
+        # holds no effect whose record is not in the log before its ``lsn``
+        return Picture.take(self.cache, self._sessions, self.recovered.values(),
+                            self.store.file_ids, self.wal.stats().next_lsn - 1,
+                            self._since_checkpoint, self._tail_blocks)
+
+    def submit_checkpoint(self, picture: Picture, index: dict, seqs: dict):
+        """Hand ``picture``'s values (``Picture.values``) to the log; returns the Future of
+        the write (any thread)."""
+        crash_point("checkpoint_dumped")
+        return self.wal.submit_checkpoint(picture.lsn, index, seqs)
+
+    @poison_on_storage_error
+    def end_checkpoint(self, picture: Picture) -> None:
+        """After ``picture``'s checkpoint is durable (on the engine's thread): the records
+        logged since the picture count towards the next one; free what the log allows."""
+        self._since_checkpoint = max(self._since_checkpoint - picture.since_records, 0)
+        self._tail_blocks = max(self._tail_blocks - picture.tail_blocks, 0)
+        self._reclaim()
+
     @poison_on_storage_error
     def checkpoint(self) -> int:
         """Fold the log into a checkpoint of the current state; returns its lsn."""
-        self._settle()  # every event logged, none held behind a disk barrier: the dump holds
-        # no effect whose record is not in the log before ``lsn``
-        index, seq_values = ckpt.dump_engine(self.cache, self._sessions, self.recovered.values(),
-                                             self.store.file_ids)
-        lsn = self.wal.stats().next_lsn - 1
-        crash_point("checkpoint_dumped")
-        self.wal.checkpoint(lsn, index, seq_values)
-        self._since_checkpoint = self._tail_blocks = 0
-        self._reclaim()
-        return lsn
+        picture = self.begin_checkpoint()
+        index, seqs = picture.values()
+        self.submit_checkpoint(picture, index, seqs).result()
+        self.end_checkpoint(picture)
+        return picture.lsn

@@ -312,7 +312,7 @@ class DurableCache(BackgroundWork):
         if self.cache.tiering.pending_disk_blocks >= self.spill_blocks:
             self.spill()
         if self._since_checkpoint >= self.checkpoint_records or self._tail_blocks >= self.checkpoint_blocks:
-            self.checkpoint()
+            self._checkpoint_due()
         return pos
 
     def _submit_events(self, session_id: int = 0) -> int:
