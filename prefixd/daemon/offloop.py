@@ -30,6 +30,7 @@ import asyncio
 import functools
 import logging
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from prefixd.storage.errors import StorageError
@@ -94,14 +95,22 @@ class OffLoop:
                 except Exception:  # noqa: BLE001 - begin_checkpoint raises it as the log's failure
                     break
             try:
+                began = time.perf_counter()
                 picture = dc.begin_checkpoint()
+                pictured = time.perf_counter()
                 index, seqs = await loop.run_in_executor(self._checkpointer, picture.values)
+                made = time.perf_counter()
                 await asyncio.wrap_future(dc.submit_checkpoint(picture, index, seqs))
                 dc.end_checkpoint(picture)
             except BaseException:
                 self.num_failed += 1
                 raise
             self.num_checkpoints += 1
+            # the picture is the part on the loop: O(runs in the index)
+            log.info("checkpoint taken path=%s lsn=%d runs=%d picture_ms=%.1f values_ms=%.1f "
+                     "write_ms=%.1f", dc.state_dir, picture.lsn, len(picture.nodes),
+                     (pictured - began) * 1e3, (made - pictured) * 1e3,
+                     (time.perf_counter() - made) * 1e3)
             return picture.lsn
 
     async def checkpoint_all(self, engine) -> dict:

@@ -88,7 +88,8 @@ class Picture(NamedTuple):
                 append((parent, node.num_blocks, node.last_access, node.hit_count,
                         node.priority, node.tokens, hashes, on_device is not None, on_host,
                         on_disk, sums))
-                stack.extend((child, me) for child in reversed(list(node.children.values())))
+                if node.children:
+                    stack.extend([(child, me) for child in reversed(node.children.values())])
         seqs = []
         for seq in cache.sequences():
             node = seq.node

@@ -180,6 +180,14 @@ def fill(recovery, pool_dir: str, shm_dir: str) -> None:
     dc.close()
 
 
+def settle_lag(stub, below_s: float = 0.2, timeout_s: float = 60.0) -> None:
+    """Until the loop lag's 10 s window holds no stall longer than ``below_s``."""
+    deadline = time.monotonic() + timeout_s
+    while stub.Stats(pb.StatsRequest(), timeout=30).values["prefixd_loop_lag_max_seconds"] >= below_s:
+        assert time.monotonic() < deadline, "the idle daemon's loop keeps stalling"
+        time.sleep(0.5)
+
+
 class Opener(Caller):
     """A client opening and releasing prompts of the big pool's layout in a loop (each open
     allocates device blocks and may evict: the engine changes while the checkpoint runs)."""
@@ -237,6 +245,7 @@ def test_a_checkpoint_of_a_large_pool_lets_eight_clients_calls_through():
         d.start(timeout=300)
         indexed = sum(p.blocks[2] for p in stub.Status(pb.StatusRequest(), timeout=30).pools)
         assert indexed >= NUM_BLOCKS
+        settle_lag(stub)  # the start's own stalls (recovery, the heap's freeze) out of the window
         clients = [Opener(d, f"c{i}", layout, i) for i in range(NUM_CLIENTS)]
         for c in clients:
             c.start()
@@ -255,7 +264,9 @@ def test_a_checkpoint_of_a_large_pool_lets_eight_clients_calls_through():
               f"clients; {len(during)} of their calls began and ended inside it; loop lag over "
               f"the last 10 s p99 {p99 * 1e3:.1f} ms, max {worst * 1e3:.1f} ms")
         assert len(during) >= NUM_CLIENTS, "the clients' calls waited for the checkpoint"
-        assert worst < ended - began or worst < 0.1, "the loop was held for the whole checkpoint"
+        # loosely (the host's own load moves it by a tenth of a second): the strict figure,
+        # p99 < 10 ms, is the benchmark's
+        assert p99 < 0.5, f"loop lag p99 {p99 * 1e3:.0f} ms around a checkpoint"
         assert d.stop() == 0
         log = d.log()
         assert "Traceback" not in log and "checkpoint at stop pools=" in log, log[-3000:]
