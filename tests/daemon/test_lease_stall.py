@@ -16,7 +16,7 @@ from tests.daemon.test_leases import CONFIG, SHORT_LEASE, SLACK_S, Spawner, stat
 
 NUM_CLIENTS = 3  # client-library sessions in this process: their pings queue during the stop
 NUM_FROZEN = 2  # holders with a KeepAlive stream, stopped with the daemon and resumed after it
-FROZEN_AFTER_S = 1.0  # how long after the daemon they resume (a host-wide stall ending)
+FROZEN_AFTER_S = 0.5  # how long after the daemon they resume (a host-wide stall ending)
 
 
 def test_a_daemon_stopped_for_three_leases_keeps_its_live_clients_and_ends_a_dead_one():
