@@ -107,9 +107,11 @@ class Session:
 
     def __init__(self, socket_path: str, layout: KVLayout, name: str, *, mapped: bool | None,
                  lease_renew: float | None, reconnect: bool, backoff: Backoff | None,
-                 timeout_s: float | None) -> None:
+                 timeout_s: float | None, request_timeout_ms: float | None = None,
+                 max_model_len: int | None = None) -> None:
         self.attachment = Attachment(socket_path, layout, name, mapped=mapped, lease_renew=lease_renew,
-                                     reconnect=reconnect, backoff=backoff, timeout_s=timeout_s)
+                                     reconnect=reconnect, backoff=backoff, timeout_s=timeout_s,
+                                     request_timeout_ms=request_timeout_ms, max_model_len=max_model_len)
 
     # -- the attachment's state and lifecycle --------------------------------------------------
 
@@ -125,9 +127,11 @@ class Session:
     recoveries = _attached("recoveries", "How many recoveries re-attached this session.")
     mapped = _attached("mapped", "True when KV and attention go through the mapped pool.")
     lease_held = _attached("lease_held", "True while the keep-alive stream is up (``Attachment.lease_held``).")
+    breaker = _attached("breaker", "The circuit breaker (``Attachment.breaker``; None without ``request_timeout_ms``).")
     # what the calls below use of the attachment: its stub, deadline, live handles and call path
     _stub = _attached("_stub")
     _timeout = _attached("_timeout")
+    _bulk_timeout = _attached("_bulk_timeout")
     _live = _attached("_live")
     _closed = _attached("_closed")
     _call = _attached("_call")
