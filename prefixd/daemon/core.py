@@ -18,7 +18,9 @@ import torch
 from prefixd.config.daemon_settings import DaemonConfig
 from prefixd.config.engine_settings import EngineConfig
 from prefixd.daemon.event_journal import EventJournals
+from prefixd.daemon.loop_lag import LoopLag
 from prefixd.daemon.metrics import RpcTimes
+from prefixd.daemon.offloop import OffLoop
 from prefixd.daemon.sessions import SessionTable
 from prefixd.daemon.status import unavailable
 from prefixd.engine.progress import RecoveryProgress
@@ -68,6 +70,8 @@ class DaemonCore:
         self.calls: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.rpc_times = RpcTimes()  # latency by (method, status), fed by ``rpc_call.rpc``
+        self.loop_lag = LoopLag()  # how late the loop runs (``loop_lag``), started by ``server``
+        self.offloop = OffLoop()  # checkpoints and new pools, beside the loop (``offloop``)
         self.metrics = None  # the Prometheus endpoint (``metrics_http.MetricsExporter``), if started
         self.in_flight = 0
         # unary calls matched and not yet finished on the wire (their status sent): a clean

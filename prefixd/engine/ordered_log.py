@@ -165,6 +165,13 @@ class OrderedLog:
                 self._durable_pos = marks.popleft()[0]
         return self._durable_pos
 
+    def pending_barrier(self):
+        """The barrier ``settle`` would wait for now (a Future), or None when nothing is held
+        or every barrier passed."""
+        with self._lock:
+            barrier = next((h.barrier for h in reversed(self._held) if h.barrier is not None), None)
+        return barrier if barrier is not None and not barrier.done() else None
+
     def settle(self) -> None:
         """Block until every record submitted so far is appended (disk barriers passed).
 
