@@ -1,0 +1,215 @@
+"""Byte budgets: sizes as written, ``[engine.budget]``, tenants' ``max`` / ``reserved``, the
+defaults, resolution against a machine, every error message, and the TOML round trip."""
+
+import dataclasses
+
+import pytest
+
+from prefixd.config import Budget, BudgetSpec, ConfigError, EngineConfig, Machine, Quota, Size, Tenant
+from prefixd.config.budget_settings import filesystem_bytes, mem_total_bytes
+from prefixd.config.live_keys import restart_fields
+from prefixd.config.toml_reader import read_engine_config
+from prefixd.config.toml_writer import engine_toml
+
+GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
+LAPTOP = Machine(mem_total=16 * GiB, disk_total=256 * GiB)        # no GPU
+BIG = Machine(mem_total=2048 * GiB, disk_total=30 * 1024 * GiB, gpu_total=80 * GiB)
+
+BUDGET_TOML = b"""
+[engine.budget]
+device = "2GiB"
+host = "25%"
+disk = "1.5TiB"
+
+[[engine.tenants]]
+name = "acme"
+salt = "a"
+max = { host = "8GiB", disk = "50%" }
+reserved = { host = "1GiB" }
+
+[[engine.tenants]]
+name = "globex"
+salt = "g"
+reserved = { disk = "100GB", device = 536870912 }
+"""
+
+
+@pytest.mark.parametrize("text, num_bytes", [
+    (0, 0), (4096, 4096), ("4096", 4096), ("512B", 512),
+    ("1KiB", KiB), ("512MiB", 512 * MiB), ("24GiB", 24 * GiB), ("1.5TiB", 3 * (1 << 39)),
+    ("1KB", 1000), ("2MB", 2_000_000), ("24GB", 24 * 10**9), ("1.5TB", 1_500_000_000_000),
+    ("4gib", 4 * GiB), (" 8 GiB ", 8 * GiB), ("0.5KiB", 512), ("1.0001KiB", 1024),
+])
+def test_a_size_with_units_is_bytes_binary_units_by_1024_decimal_by_1000(text, num_bytes):
+    size = Size.parse("k", text)
+    assert size.num_bytes == num_bytes and not size.is_percent
+    assert size.resolve(123) == num_bytes
+
+
+@pytest.mark.parametrize("text, percent, total, resolved", [
+    ("50%", 50.0, 1000, 500), ("12.5%", 12.5, 1000, 125), ("100%", 100.0, 7, 7), ("1%", 1.0, 99, 0),
+])
+def test_a_percentage_resolves_against_the_total_rounding_down(text, percent, total, resolved):
+    size = Size.parse("k", text)
+    assert size.percent == percent and size.num_bytes is None
+    assert size.resolve(total) == resolved
+
+
+@pytest.mark.parametrize("value, words", [
+    (-1, ["engine.budget.host", ">= 0"]),
+    (True, ["engine.budget.host", '"24GiB"', '"50%"']),
+    (1.5, ["engine.budget.host", "got 1.5"]),
+    ("lots", ["engine.budget.host", "'lots'"]),
+    ("4G", ["engine.budget.host", "unknown unit 'G'", "KiB", "KB"]),
+    ("4 pages", ["unknown unit 'pages'"]),
+    ("1.5", ["engine.budget.host", "fraction needs a unit"]),
+    ("0%", ["engine.budget.host", "more than 0%"]),
+    ("101%", ["engine.budget.host", "at most 100%"]),
+    ("-5%", ["engine.budget.host"]),
+    ("5 %%", ["engine.budget.host"]),
+])
+def test_a_bad_size_is_refused_naming_the_key_and_the_spellings(value, words):
+    with pytest.raises(ConfigError) as err:
+        BudgetSpec(host=value)
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+
+
+def test_a_full_budget_table_and_quotas_load():
+    config = read_engine_config(BUDGET_TOML)
+    assert config.budget == BudgetSpec(device="2GiB", host="25%", disk="1.5TiB")
+    acme, globex = config.tenants
+    assert acme.max == Quota(host="8GiB", disk="50%") and acme.reserved == Quota(host="1GiB")
+    assert globex.max == Quota() and globex.reserved.disk.num_bytes == 100 * 10**9
+    assert globex.reserved.device.num_bytes == 512 * MiB
+
+
+def test_the_budget_and_quotas_round_trip_through_the_writer(tmp_path):
+    config = read_engine_config(BUDGET_TOML)
+    text = engine_toml(config)
+    assert "[engine.budget]" in text and 'max = { host = "8GiB", disk = "50%" }' in text
+    path = tmp_path / "prefixd.toml"
+    path.write_text(text)
+    again = read_engine_config(path)
+    assert again == config
+    assert [t.reserved for t in again.tenants] == [t.reserved for t in config.tenants]
+    # the defaults write no [engine.budget] and no quotas, and read back as the defaults
+    plain = engine_toml(EngineConfig())
+    assert "budget" not in plain and "max" not in plain and "reserved" not in plain
+    assert read_engine_config(plain.encode()) == EngineConfig()
+
+
+def test_the_defaults_are_safe_on_a_laptop_and_capped_on_a_big_host():
+    laptop = Budget.resolve(BudgetSpec(), LAPTOP)
+    assert laptop.host == int(16 * GiB * 0.10)          # 10% of MemTotal, under the 4 GiB cap
+    assert laptop.device == laptop.host                 # no GPU: the device tier is host memory
+    assert laptop.disk == int(256 * GiB * 0.10)         # 10% of the filesystem, under 32 GiB
+    big = Budget.resolve(BudgetSpec(), BIG)
+    assert (big.device, big.host, big.disk) == (4 * GiB, 4 * GiB, 32 * GiB)
+    small_gpu = Budget.resolve(BudgetSpec(), dataclasses.replace(LAPTOP, gpu_total=24 * GiB))
+    assert small_gpu.device == int(24 * GiB * 0.05)     # 5% of the GPU
+
+
+def test_percentages_are_of_the_gpu_memtotal_and_the_filesystem():
+    spec = BudgetSpec(device="50%", host="50%", disk="50%")
+    on_gpu = Budget.resolve(spec, BIG)
+    assert (on_gpu.device, on_gpu.host, on_gpu.disk) == (40 * GiB, 1024 * GiB, 15 * 1024 * GiB)
+    on_cpu = Budget.resolve(spec, LAPTOP)
+    assert on_cpu.device == 8 * GiB                     # of MemTotal: shm is host memory
+    assert on_cpu.bytes_of("disk") == on_cpu.bytes_of(2) == 128 * GiB
+
+
+def test_tenant_quotas_resolve_against_the_same_totals():
+    config = read_engine_config(BUDGET_TOML)
+    budget = Budget.resolve(config.budget, BIG, config.tenants)
+    acme, globex = budget.tenants
+    assert acme.max == (None, 8 * GiB, 15 * 1024 * GiB) and acme.reserved == (0, GiB, 0)
+    assert globex.max == (None, None, None) and globex.reserved == (512 * MiB, 0, 100 * 10**9)
+
+
+def test_the_machine_probe_reads_memtotal_and_the_filesystem(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemFree:  10 kB\nMemTotal:       16384 kB\n")
+    assert mem_total_bytes(str(meminfo)) == 16384 * 1024
+    assert mem_total_bytes(str(tmp_path / "absent")) > 0        # falls back to sysconf
+    machine = Machine.probe(str(tmp_path / "not" / "yet" / "made"), gpu_total=7)
+    assert machine.disk_total == filesystem_bytes(str(tmp_path)) > 0
+    assert machine.mem_total > 0 and machine.gpu_total == 7
+
+
+@pytest.mark.parametrize("table, words", [
+    ("[engine.budget]\ndevice = 0", ["engine.budget.device must be more than 0"]),
+    ("[engine.budget]\nhost = 0\ndisk = '0GiB'", ["host and engine.budget.disk are both 0"]),
+    ("[engine.budget]\nram = '1GiB'", ["'ram'", "[engine.budget]", "device, host, disk"]),
+    ("[engine]\nbudget = '8GiB'", ["[engine.budget] must be a table"]),
+    ("[engine.budget]\ndisk = '2 TiBs'", ["engine.budget.disk", "unknown unit 'TiBs'"]),
+    ("[[engine.tenants]]\nname = 'a'\nmax = '8GiB'", ["tenant 'a' max must be a table of tiers"]),
+    ("[[engine.tenants]]\nname = 'a'\nmax = { ram = '1GiB' }", ["tenant 'a' max", "'ram'",
+                                                               "device, host, disk"]),
+    ("[[engine.tenants]]\nname = 'a'\nreserved = { host = 'x' }", ["tenant 'a' reserved.host"]),
+    ("[[engine.tenants]]\nname = 'a'\nmax = { host = '1GiB' }\nreserved = { host = '2GiB' }",
+     ["tenant 'a'", "reserved.host ('2GiB') is above its max.host ('1GiB')", "[[engine.tenants]]"]),
+    ("[[engine.tenants]]\nname = 'a'\nmax = { disk = '10%' }\nreserved = { disk = '20%' }",
+     ["reserved.disk ('20%') is above its max.disk ('10%')"]),
+    ("[engine.budget]\nhost = '2GiB'\n[[engine.tenants]]\nname = 'a'\nreserved = { host = '1GiB' }\n"
+     "[[engine.tenants]]\nname = 'b'\nsalt = 'b'\nreserved = { host = '1.5GiB' }",
+     ["reserved.host add up to 2.5 GiB", "'a' '1GiB'", "'b' '1.5GiB'", "engine.budget.host ('2GiB'",
+      "raise [engine.budget] host"]),
+    ("[engine.budget]\ndisk = '30%'\n[[engine.tenants]]\nname = 'a'\nreserved = { disk = '20%' }\n"
+     "[[engine.tenants]]\nname = 'b'\nsalt = 'b'\nreserved = { disk = '15%' }",
+     ["reserved.disk add up to 35%", "engine.budget.disk ('30%': 30%)"]),
+    ("[[engine.tenants]]\nname = 'a'\nreserved = { host = '5GiB' }",
+     ["reserved.host add up to 5.0 GiB", "engine.budget.host (the default: at most 4.0 GiB"]),
+])
+def test_a_bad_budget_or_quota_is_refused_at_load_naming_the_keys(table, words):
+    with pytest.raises(ConfigError) as err:
+        read_engine_config(table.encode())
+    for word in words:
+        assert word in str(err.value), (word, str(err.value))
+
+
+def test_mixed_units_are_checked_when_the_machine_is_known():
+    """A reservation in bytes against a budget in percent cannot be compared from the file:
+    it loads, and resolving on a machine where it does not fit is the ConfigError."""
+    config = read_engine_config(b"[engine.budget]\nhost = '10%'\n[[engine.tenants]]\nname = 'a'\n"
+                                b"max = { host = '5%' }\nreserved = { host = '1GiB' }\n")
+    assert Budget.resolve(config.budget, BIG, config.tenants).tenants[0].reserved[1] == GiB
+    with pytest.raises(ConfigError, match=r"reserved.host \(1.0 GiB .*\) is above its max.host"):
+        Budget.resolve(config.budget, LAPTOP, config.tenants)        # 5% of 16 GiB < 1 GiB
+    small = Machine(mem_total=8 * GiB, disk_total=GiB)
+    config = read_engine_config(b"[engine.budget]\nhost = '10%'\n[[engine.tenants]]\nname = 'a'\n"
+                                b"reserved = { host = '1GiB' }\n")
+    with pytest.raises(ConfigError, match=r"add up to 1.0 GiB .* more than engine.budget.host "
+                                          r"\('10%': 819.2 MiB"):
+        Budget.resolve(config.budget, small, config.tenants)
+
+
+def test_a_budget_that_resolves_to_nothing_is_refused_on_that_host():
+    tiny = Machine(mem_total=50, disk_total=50)
+    with pytest.raises(ConfigError, match="engine.budget.device resolves to 0 bytes on this host"):
+        Budget.resolve(BudgetSpec(device="1%"), tiny)
+    with pytest.raises(ConfigError, match="host and engine.budget.disk both resolve to 0"):
+        Budget.resolve(BudgetSpec(host="1%", disk="1%"), tiny)
+    with pytest.raises(ConfigError, match="engine.budget.disk resolved to -1"):
+        Budget(1, 1, -1)
+    with pytest.raises(ConfigError, match="engine.budget must be a BudgetSpec"):
+        EngineConfig(budget={"host": "1GiB"})
+
+
+def test_values_built_in_code_are_checked_like_the_file():
+    assert Tenant("a", max={"host": "1GiB"}).max == Quota(host=Size.parse("x", "1GiB"))
+    with pytest.raises(ConfigError, match="tenant 'a' reserved.disk"):
+        Tenant("a", reserved={"disk": -3})
+    with pytest.raises(ConfigError, match="add up to"):
+        EngineConfig(budget=BudgetSpec(disk="1GiB"),
+                     tenants=(Tenant("a", reserved={"disk": "1GiB"}),
+                              Tenant("b", b"b", reserved={"disk": 1})))
+
+
+def test_a_changed_budget_or_quota_needs_a_restart():
+    """The budgets size the sparse pool files and the log's reserved room at start: neither
+    ``budget`` nor ``tenants`` reloads live."""
+    old = EngineConfig()
+    assert restart_fields(old, dataclasses.replace(old, budget=BudgetSpec(host="1GiB"))) == ["budget"]
+    new = dataclasses.replace(old, tenants=(Tenant("default", max={"host": "1GiB"}),))
+    assert restart_fields(old, new) == ["tenants"]
