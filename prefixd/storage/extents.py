@@ -50,6 +50,9 @@ class SparsePoolFile:
     Invariants (``check_invariants``): the extent map's; ``charged`` equals
     ``extent_map.held_bytes``.
 
+    Thread safety: none of its own; the engine calls it from the one thread that owns the
+    pool's slot allocators. The ledger it charges is shared and locked.
+
     NOTE: a punched extent read through a shm mapping faults in fresh zero pages, which tmpfs
     allocates; the engine never reads a slot it has not handed out, so only a verification of a
     block that was wrongly punched does, and that block is dropped.

@@ -215,8 +215,10 @@ def test_a_recovery_that_does_not_fit_the_budget_is_refused_charging_nothing(tmp
 def test_another_pools_file_is_refused(tmp_path):
     path = str(tmp_path / "p.pool")
     sparse(path).close()
+    led = BudgetLedger("disk", MiB)
     with pytest.raises(HeaderMismatchError, match="num_slots"):
-        sparse(path, header(num_slots=65))
+        sparse(path, header(num_slots=65), ledger=led)
+    assert led.used_bytes == 0
 
 
 def test_unlink_closes_removes_and_releases_the_charge(tmp_path):
