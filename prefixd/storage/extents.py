@@ -20,7 +20,7 @@ from prefixd.crashpoints import crash_point
 from prefixd.storage import falloc, poolfile
 from prefixd.storage.budget_ledger import BudgetLedger
 from prefixd.storage.errors import BudgetExceededError, NoSpaceError
-from prefixd.storage.extent_map import ExtentMap
+from prefixd.storage.extent_map import PAGE, ExtentMap
 from prefixd.storage.poolfile import PoolHeader
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,8 @@ class SparsePoolFile:
             expect_file_id: check ``header.file_id`` against an existing file's.
         Raises:
             BudgetExceededError: the header's extent does not fit the budget.
-            SpaceError: the filesystem cannot hold the header's extent.
+            SpaceError, NoSpaceError: the filesystem cannot hold the header's extent (a new
+                file, an existing one).
             HeaderMismatchError: an existing file is another pool's.
         """
         self.path = path
@@ -90,6 +91,13 @@ class SparsePoolFile:
             else:
                 self.fd, self.header = poolfile.open_pool_file(path, header, expect_file_id,
                                                                sparse=True)
+                # the header's extent is held from here on; a file cut short behind our back
+                # lost part of it, and a later write there must not meet ENOSPC
+                try:
+                    falloc.allocate(self.fd, path, *self.extent_map.byte_range(0))
+                except BaseException:
+                    os.close(self.fd)
+                    raise
         except BaseException:
             ledger.release(tenant, first)
             raise
@@ -163,7 +171,8 @@ class SparsePoolFile:
         for k in em.idle()[keep_idle:]:
             em.require_idle(k)
             try:
-                falloc.punch(self.fd, self.path, *em.byte_range(k))
+                # whole pages: a partial last page would be zeroed, not given back
+                falloc.punch(self.fd, self.path, em.byte_range(k)[0], em.charge(k))
             except falloc.PunchUnsupportedError as exc:
                 log.warning("pool file cannot shrink, extents stay allocated path=%s err=%s",
                             self.path, exc)
@@ -206,7 +215,7 @@ class SparsePoolFile:
                 start = k
             elif not hole and start is not None:
                 offset = em.byte_range(start)[0]
-                end = min(k * em.extent_bytes, em.file_bytes)
+                end = min(k * em.extent_bytes, -(-em.file_bytes // PAGE) * PAGE)
                 start = None
                 try:
                     falloc.punch(self.fd, self.path, offset, end - offset)
