@@ -22,14 +22,26 @@ PAGE = 4096
 
 
 class ExtentMap:
-    """Per extent: ``allocated`` (its blocks are held) and ``users`` (slots in use touching it).
+    """Per extent: whether it is allocated (its blocks are held) and how many slots in use
+    touch it.
+
+    Data structure: ``_users[k]`` (a list: slots in use touching extent ``k``),
+    ``_allocated`` (a bytearray of 0/1), ``_idle`` (the set of allocated extents, not the
+    header's, with no user: what ``shrink`` may punch), ``held_bytes``.
 
     Invariants (``check_invariants``):
-        * ``users[k] > 0`` implies ``allocated[k]`` (a slot is handed out only once every
+        * ``_users[k] > 0`` implies ``_allocated[k]`` (a slot is handed out only once every
           extent it touches is allocated);
         * extent 0 (the header) is always allocated;
+        * ``_idle`` is exactly the allocated extents but 0 with no user;
         * ``held_bytes`` is the sum of ``charge(k)`` over allocated extents.
+
+    NOTE: plain lists, not numpy arrays: a request takes and frees a few slots at a time, and
+    per-element numpy calls (``np.add.at``, ``np.unique``) cost ~100 us for 16 slots where the
+    loop costs a few; whole-array numpy is used only for large inputs (recovery's slots).
     """
+
+    _BULK = 4096  # slots at or above which one call goes through numpy
 
     def __init__(self, data_offset: int, block_bytes: int, num_slots: int,
                  extent_bytes: int) -> None:
@@ -46,9 +58,10 @@ class ExtentMap:
         self.extent_bytes = extent_bytes
         self.file_bytes = data_offset + block_bytes * num_slots
         self.num_extents = max(1, -(-self.file_bytes // extent_bytes))
-        self.users = np.zeros(self.num_extents, dtype=np.int64)
-        self.allocated = np.zeros(self.num_extents, dtype=bool)
-        self.allocated[0] = True
+        self._users = [0] * self.num_extents
+        self._allocated = bytearray(self.num_extents)
+        self._allocated[0] = 1
+        self._idle: set[int] = set()
         self.held_bytes = self.charge(0)
 
     # -- geometry -----------------------------------------------------------------------------
@@ -62,78 +75,130 @@ class ExtentMap:
         """Bytes extent ``k`` takes once allocated (its length up to whole pages)."""
         return -(-self.byte_range(k)[1] // PAGE) * PAGE
 
-    def _spans(self, slots) -> tuple[np.ndarray, np.ndarray]:
-        """First and last extent of each slot.
+    def _check_range(self, slots: list[int]) -> None:
+        if slots and (min(slots) < 0 or max(slots) >= self.num_slots):
+            raise ValueError(f"slots must be in [0, {self.num_slots}), got "
+                             f"{min(slots)}..{max(slots)}")
+
+    def touched(self, slots) -> dict[int, int]:
+        """extent -> how many of ``slots`` touch it (what ``add_users`` and ``missing`` take).
 
         Raises ValueError: a slot out of range."""
-        s = np.asarray(slots, dtype=np.int64).reshape(-1)
-        if s.size and (s.min() < 0 or s.max() >= self.num_slots):
-            raise ValueError(f"slots must be in [0, {self.num_slots}), got {s.min()}..{s.max()}")
+        slots = [int(s) for s in slots] if not isinstance(slots, list) else slots
+        self._check_range(slots)
+        off, bb, ext = self.data_offset, self.block_bytes, self.extent_bytes
+        if len(slots) >= self._BULK:
+            return self._touched_bulk(np.asarray(slots, dtype=np.int64))
+        counts: dict[int, int] = {}
+        get = counts.get
+        if bb > ext:
+            for s in slots:
+                start = off + s * bb
+                for k in range(start // ext, (start + bb - 1) // ext + 1):
+                    counts[k] = get(k, 0) + 1
+            return counts
+        for s in slots:  # one or two extents per slot
+            start = off + s * bb
+            first, last = start // ext, (start + bb - 1) // ext
+            counts[first] = get(first, 0) + 1
+            if last != first:
+                counts[last] = get(last, 0) + 1
+        return counts
+
+    def _touched_bulk(self, s: np.ndarray) -> dict[int, int]:
         start = self.data_offset + s * self.block_bytes
-        return start // self.extent_bytes, (start + self.block_bytes - 1) // self.extent_bytes
+        first = start // self.extent_bytes
+        last = (start + self.block_bytes - 1) // self.extent_bytes
+        if self.block_bytes <= self.extent_bytes:  # one or two extents per slot
+            counts = np.bincount(first, minlength=self.num_extents)
+            counts += np.bincount(last[last != first], minlength=self.num_extents)
+        else:
+            counts = np.zeros(self.num_extents + 1, dtype=np.int64)
+            np.add.at(counts, first, 1)
+            np.add.at(counts, last + 1, -1)
+            counts = np.cumsum(counts)[:-1]
+        nz = np.flatnonzero(counts)
+        return dict(zip(nz.tolist(), counts[nz].tolist()))
 
-    def extents_of(self, slots) -> np.ndarray:
+    def extents_of(self, slots) -> list[int]:
         """The extents ``slots`` touch, ascending, each once."""
-        first, last = self._spans(slots)
-        if not first.size:
-            return first
-        if self.block_bytes <= self.extent_bytes:  # a slot touches one or two extents
-            return np.unique(np.concatenate([first, last]))
-        return np.unique(np.concatenate([np.arange(f, l + 1) for f, l in zip(first, last)]))
+        return sorted(self.touched(slots))
 
-    def missing(self, slots) -> list[int]:
-        """The extents ``slots`` touch that are not allocated, ascending."""
-        ext = self.extents_of(slots)
-        return ext[~self.allocated[ext]].tolist()
+    def missing(self, slots=None, touched: dict[int, int] | None = None) -> list[int]:
+        """The extents ``slots`` (or a ``touched`` of them) touch that are not allocated,
+        ascending."""
+        allocated = self._allocated
+        return sorted(k for k in (touched if touched is not None else self.touched(slots))
+                      if not allocated[k])
 
     def bytes_for(self, slots) -> int:
         """What holding every extent ``slots`` touch (and the header's) would charge."""
-        ext = self.extents_of(slots)
-        return sum(self.charge(k) for k in set(ext.tolist()) | {0})
+        return sum(self.charge(k) for k in set(self.touched(slots)) | {0})
 
     # -- state --------------------------------------------------------------------------------
 
+    def is_allocated(self, k: int) -> bool:
+        return bool(self._allocated[k])
+
+    def users_of(self, k: int) -> int:
+        return self._users[k]
+
+    def allocated_extents(self) -> list[int]:
+        """Every allocated extent, ascending (the header's included)."""
+        return [k for k, a in enumerate(self._allocated) if a]
+
+    @property
+    def num_users(self) -> int:
+        """Slot-extent pairs in use (0: no slot in use)."""
+        return sum(self._users)
+
     def mark_allocated(self, k: int) -> None:
-        if not self.allocated[k]:
-            self.allocated[k] = True
+        if not self._allocated[k]:
+            self._allocated[k] = 1
             self.held_bytes += self.charge(k)
+            if not self._users[k]:
+                self._idle.add(k)
 
     def require_idle(self, k: int) -> None:
         """Raises ValueError: the header's extent, or an extent with slots in use (a caller
         bug): checked before a punch, which cannot be undone."""
-        if k == 0 or self.users[k]:
+        if k == 0 or self._users[k]:
             raise ValueError(f"extent {k} cannot be punched: "
-                             f"{'it holds the header' if k == 0 else f'{self.users[k]} slots use it'}")
+                             f"{'it holds the header' if k == 0 else f'{self._users[k]} slots use it'}")
 
     def mark_punched(self, k: int) -> None:
         """Raises ValueError: see ``require_idle``."""
         self.require_idle(k)
-        if self.allocated[k]:
-            self.allocated[k] = False
+        if self._allocated[k]:
+            self._allocated[k] = 0
             self.held_bytes -= self.charge(k)
+            self._idle.discard(k)
 
-    def add_users(self, slots, delta: int = 1) -> None:
-        """Count ``slots`` in use (``delta=-1``: no longer in use) in every extent they touch.
+    def add_users(self, slots=None, delta: int = 1, touched: dict[int, int] | None = None) -> None:
+        """Count ``slots`` in use (``delta=-1``: no longer in use) in every extent they touch;
+        ``touched`` (from ``touched(slots)``) instead of ``slots`` spares a second pass.
 
-        Raises ValueError: a slot out of range."""
-        first, last = self._spans(slots)
-        if self.block_bytes <= self.extent_bytes:
-            np.add.at(self.users, first, delta)
-            two = last != first
-            np.add.at(self.users, last[two], delta)
-        else:
-            for f, l in zip(first.tolist(), last.tolist()):
-                self.users[f:l + 1] += delta
+        Raises ValueError: a slot out of range (nothing counted)."""
+        users, idle = self._users, self._idle
+        for k, n in (touched if touched is not None else self.touched(slots)).items():
+            before = users[k]
+            users[k] = after = before + delta * n
+            if after and not before:
+                idle.discard(k)
+            elif before and not after and k and self._allocated[k]:
+                idle.add(k)
 
     def idle(self) -> list[int]:
         """Allocated extents (not the header's) that no slot in use touches, ascending."""
-        idle = self.allocated & (self.users == 0)
-        idle[0] = False
-        return np.flatnonzero(idle).tolist()
+        return sorted(self._idle)
 
     def check_invariants(self) -> None:
-        assert self.allocated[0], "the header's extent is not allocated"
-        assert (self.users >= 0).all(), "an extent's user count went negative"
-        assert not (self.users > 0)[~self.allocated].any(), "a slot in use touches a hole"
-        held = sum(self.charge(k) for k in np.flatnonzero(self.allocated).tolist())
+        users, allocated = self._users, self._allocated
+        assert allocated[0], "the header's extent is not allocated"
+        assert min(users) >= 0, "an extent's user count went negative"
+        assert not any(u and not a for u, a in zip(users, allocated)), \
+            "a slot in use touches a hole"
+        idle = {k for k in range(1, self.num_extents) if allocated[k] and not users[k]}
+        assert idle == self._idle, f"idle set drifted: {sorted(idle ^ self._idle)[:8]}"
+        held = sum(self.charge(k) for k in self.allocated_extents())
         assert held == self.held_bytes, f"held bytes drifted: {self.held_bytes} != {held}"

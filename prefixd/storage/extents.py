@@ -118,10 +118,12 @@ class SparsePoolFile:
                 back). The caller treats it as "no room", never as a crash.
             ValueError: a slot out of range.
         """
-        missing = self.extent_map.missing(slots)
+        em = self.extent_map
+        touched = em.touched(slots)
+        missing = em.missing(touched=touched)
         if missing and not self._grow(missing):
             return False
-        self.extent_map.add_users(slots)
+        em.add_users(touched=touched)
         return True
 
     def _grow(self, extents: list[int]) -> bool:
@@ -199,7 +201,7 @@ class SparsePoolFile:
             NoSpaceError: the filesystem cannot hold them.
         """
         em = self.extent_map
-        if em.users.any() or self.charged != em.charge(0):
+        if em.num_users or self.charged != em.charge(0):
             raise ValueError(f"recover({self.path}) must come right after opening the file")
         if not self.take(used_slots):
             raise BudgetExceededError(
@@ -210,7 +212,7 @@ class SparsePoolFile:
         # or between a grow and its use, leaves no charge that the ledger does not see
         start = None
         for k in range(1, em.num_extents + 1):
-            hole = k < em.num_extents and not em.allocated[k]
+            hole = k < em.num_extents and not em.is_allocated(k)
             if hole and start is None:
                 start = k
             elif not hole and start is not None:
