@@ -41,7 +41,7 @@ class ExtentMap:
     loop costs a few; whole-array numpy is used only for large inputs (recovery's slots).
     """
 
-    _BULK = 4096  # slots at or above which one call goes through numpy
+    _BULK = 4096  # slots at or above which a list goes through numpy (an array always does)
 
     def __init__(self, data_offset: int, block_bytes: int, num_slots: int,
                  extent_bytes: int) -> None:
@@ -84,11 +84,15 @@ class ExtentMap:
         """extent -> how many of ``slots`` touch it (what ``add_users`` and ``missing`` take).
 
         Raises ValueError: a slot out of range."""
-        slots = [int(s) for s in slots] if not isinstance(slots, list) else slots
+        if isinstance(slots, np.ndarray) or (isinstance(slots, list) and len(slots) >= self._BULK):
+            arr = np.asarray(slots, dtype=np.int64).reshape(-1)
+            if arr.size and (arr.min() < 0 or arr.max() >= self.num_slots):
+                raise ValueError(f"slots must be in [0, {self.num_slots}), got "
+                                 f"{arr.min()}..{arr.max()}")
+            return self._touched_bulk(arr)
+        slots = slots if isinstance(slots, list) else [int(s) for s in slots]
         self._check_range(slots)
         off, bb, ext = self.data_offset, self.block_bytes, self.extent_bytes
-        if len(slots) >= self._BULK:
-            return self._touched_bulk(np.asarray(slots, dtype=np.int64))
         counts: dict[int, int] = {}
         get = counts.get
         if bb > ext:

@@ -127,6 +127,9 @@ class SparsePoolFile:
         return True
 
     def _grow(self, extents: list[int]) -> bool:
+        """Charge, then fallocate ``extents`` (ascending) one run of neighbours per call: a
+        recovery's thousands of extents are a few calls. A run that fails is punched again
+        (a filesystem may keep part of a failed fallocate) and is not charged."""
         em = self.extent_map
         need = sum(em.charge(k) for k in extents)
         try:
@@ -135,10 +138,17 @@ class SparsePoolFile:
             return False
         done = 0
         try:
-            for k in extents:
-                falloc.allocate(self.fd, self.path, *em.byte_range(k))
-                em.mark_allocated(k)
-                done += em.charge(k)
+            for run in _runs(extents):
+                offset = em.byte_range(run[0])[0]
+                end = sum(em.byte_range(run[-1]))
+                try:
+                    falloc.allocate(self.fd, self.path, offset, end - offset)
+                except NoSpaceError:
+                    _punch_quietly(self.fd, self.path, offset, end - offset)
+                    raise
+                for k in run:
+                    em.mark_allocated(k)
+                    done += em.charge(k)
             if self.durable:
                 os.fsync(self.fd)
         except BaseException:
@@ -255,3 +265,23 @@ class SparsePoolFile:
         if self.fd >= 0:
             assert self.charged == self.extent_map.held_bytes, \
                 f"charged {self.charged} != held by the map {self.extent_map.held_bytes}"
+
+
+def _runs(extents: list[int]) -> list[list[int]]:
+    """Ascending ``extents`` cut into runs of neighbours: ``[1, 2, 3, 7, 8] -> [[1, 2, 3], [7, 8]]``."""
+    runs: list[list[int]] = []
+    for k in extents:
+        if runs and runs[-1][-1] == k - 1:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    return runs
+
+
+def _punch_quietly(fd: int, path: str, offset: int, length: int) -> None:
+    """Give back what a failed fallocate may have left; a failure here only leaves bytes the
+    next recovery punches."""
+    try:
+        falloc.punch(fd, path, offset, length)
+    except Exception:  # noqa: BLE001 - best effort on an error path that already raises
+        log.warning("could not give back a failed grow path=%s offset=%d", path, offset)

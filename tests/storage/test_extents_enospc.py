@@ -93,13 +93,20 @@ def test_a_grow_that_meets_enospc_is_a_typed_error_and_takes_nothing(tmpfs):
     check(pf)
 
 
-def test_a_grow_of_two_extents_that_fits_one_keeps_only_that_one_charged(tmpfs):
+def test_a_failed_grow_keeps_no_part_of_the_run_that_failed(tmpfs):
+    """Neighbouring extents are one fallocate; the run that meets ENOSPC is punched again
+    and charged nothing, a run before it that succeeded stays (idle, charged) until
+    ``shrink``."""
     pf = pool(tmpfs)
     assert pf.take(slots_of_extent(1))
     filler = fill(tmpfs)
     os.truncate(filler, os.stat(filler).st_size - EXTENT_BYTES - 64 * 1024)  # room for one
     with pytest.raises(NoSpaceError):
-        pf.take(slots_of_extent(2) + slots_of_extent(3))
+        pf.take(slots_of_extent(2) + slots_of_extent(3))       # one run of two: all or nothing
+    check(pf)
+    assert pf.charged == 2 * EXTENT_BYTES and pf.extent_map.idle() == []
+    with pytest.raises(NoSpaceError):
+        pf.take(slots_of_extent(2) + slots_of_extent(4))       # two runs: the first one fits
     check(pf)
     assert pf.charged == 3 * EXTENT_BYTES and pf.extent_map.idle() == [2]
     assert pf.shrink() == EXTENT_BYTES
