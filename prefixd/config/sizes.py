@@ -39,13 +39,15 @@ class Size:
     """One configured size: ``text`` as written (an int of bytes or a string), and what it
     says: ``num_bytes`` (absolute) or ``percent`` (a share), exactly one of them not None.
 
-    Equality is on ``text``, so a size written back to TOML and read again is equal to itself.
-    Build with ``Size.parse(key, value)``, which names ``key`` in its error.
+    Equality is on what it says, not on how it is spelt: ``"8GiB"``, ``"8192MiB"`` and
+    ``8589934592`` are one size (a reload that respells a budget changes nothing), and
+    ``text`` is what the TOML writer writes back. Build with ``Size.parse(key, value)``,
+    which names ``key`` in its error.
     """
 
-    text: int | str
-    num_bytes: int | None = dataclasses.field(default=None, compare=False)
-    percent: float | None = dataclasses.field(default=None, compare=False)
+    text: int | str = dataclasses.field(compare=False)
+    num_bytes: int | None = None
+    percent: float | None = None
 
     @classmethod
     def parse(cls, key: str, value) -> "Size":

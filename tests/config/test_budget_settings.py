@@ -206,6 +206,14 @@ def test_values_built_in_code_are_checked_like_the_file():
                               Tenant("b", b"b", reserved={"disk": 1})))
 
 
+def test_a_size_is_what_it_says_not_how_it_is_spelt():
+    assert BudgetSpec(host="8GiB") == BudgetSpec(host="8192MiB") == BudgetSpec(host=8 * GiB)
+    assert BudgetSpec(disk="50%") == BudgetSpec(disk="50.0%") != BudgetSpec(disk="51%")
+    assert BudgetSpec(host="1GB") != BudgetSpec(host="1GiB")
+    assert restart_fields(EngineConfig(budget=BudgetSpec(host="8GiB")),
+                          EngineConfig(budget=BudgetSpec(host="8192 MiB"))) == []
+
+
 def test_a_changed_budget_or_quota_needs_a_restart():
     """The budgets size the sparse pool files and the log's reserved room at start: neither
     ``budget`` nor ``tenants`` reloads live."""
