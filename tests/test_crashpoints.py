@@ -48,6 +48,7 @@ def test_the_docstring_and_the_kill9_suites_name_every_crash_point():
     names = set(_call_sites())
     items = [line for line in prefixd.crashpoints.__doc__.splitlines() if line.startswith("- ``")]
     listed = {name for line in items for name in re.findall(r"``(\w+)``", line.split(":")[0])}
-    assert listed == names, f"prefixd/crashpoints.py docstring lists {sorted(listed)}, code has {sorted(names)}"
+    assert listed == names, \
+        f"prefixd/crashpoints.py docstring lists {sorted(listed)}, code has {sorted(names)}"
     armed = set(CRASH_POINTS) | set(EXTENT_POINTS)
     assert armed == names, f"the kill -9 suites arm {sorted(armed)}, code has {sorted(names)}"

@@ -320,7 +320,8 @@ def test_a_random_walk_matches_a_plain_model(where, block_bytes):
     for _ in range(300):
         op = rng.random()
         if op < 0.45:
-            slots = rng.sample(sorted(set(range(num_slots)) - used), min(rng.randrange(1, 6), num_slots - len(used)))
+            free = sorted(set(range(num_slots)) - used)
+            slots = rng.sample(free, min(rng.randrange(1, 6), len(free)))
             assert pf.take(slots)
             used |= set(slots)
             for s in slots:
