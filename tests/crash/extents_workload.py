@@ -59,7 +59,7 @@ def read_log(directory: str) -> dict[int, int]:
     return live
 
 
-def run(directory: str, rounds: int, seed: int) -> None:
+def run(directory: str, rounds: int, seed: int, data_sync: bool = True) -> None:
     rng = random.Random(seed)
     pool = open_pool(directory)
     live = read_log(directory)
@@ -76,7 +76,8 @@ def run(directory: str, rounds: int, seed: int) -> None:
                 os.pwrite(pool.fd, data.tobytes(), DATA_OFFSET + s * BLOCK)
                 lines.append(f"put {s} {checksum.checksum(data)}\n")
                 live[s] = 0
-            os.fdatasync(pool.fd)
+            if data_sync:  # off only for the control that shows the harness sees loss
+                os.fdatasync(pool.fd)
             os.write(log_fd, "".join(lines).encode())
             os.fsync(log_fd)
         if live and rng.random() < 0.6:
@@ -115,8 +116,10 @@ def main() -> None:
     parser.add_argument("directory")
     parser.add_argument("--rounds", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-data-sync", action="store_true",
+                        help="log blocks without syncing their bytes first (a control: it loses)")
     args = parser.parse_args()
-    run(args.directory, args.rounds, args.seed)
+    run(args.directory, args.rounds, args.seed, data_sync=not args.no_data_sync)
 
 
 if __name__ == "__main__":
