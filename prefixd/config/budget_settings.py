@@ -97,6 +97,14 @@ class BudgetSpec:
                     "disk": DEFAULT_DISK[1]}[tier]
         return size.num_bytes
 
+    def upper_percent(self, tier: str) -> float | None:
+        """The largest share of its total ``tier`` can resolve to, if the file says it (a
+        percentage, or a default's share: at most 10%); None for a size."""
+        size = getattr(self, tier)
+        if size is None:
+            return max(DEFAULT_HOST[0], DEFAULT_DISK[0], DEFAULT_GPU_DEVICE[0])
+        return size.percent
+
 
 @dataclasses.dataclass(frozen=True)
 class Quota:
@@ -310,9 +318,10 @@ def check_quotas(spec: BudgetSpec, tenants: Iterable) -> None:
         if not sizes:
             continue
         budget = getattr(spec, tier)
-        if all(s.is_percent for s in sizes.values()) and budget is not None and budget.is_percent:
-            total, bound = sum(s.percent for s in sizes.values()), budget.percent
-            shown, bound_text = f"{total:g}%", f"{bound:g}%"
+        if all(s.is_percent for s in sizes.values()) and spec.upper_percent(tier) is not None:
+            total, bound = sum(s.percent for s in sizes.values()), spec.upper_percent(tier)
+            shown = f"{total:g}%"
+            bound_text = ("at most " if budget is None else "") + f"{bound:g}%"
         elif not any(s.is_percent for s in sizes.values()) and spec.upper_bound(tier) is not None:
             total, bound = sum(s.num_bytes for s in sizes.values()), spec.upper_bound(tier)
             shown = format_bytes(total)

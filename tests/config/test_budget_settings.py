@@ -160,6 +160,9 @@ def test_the_machine_probe_reads_memtotal_and_the_filesystem(tmp_path):
      ["reserved.disk add up to 35%", "engine.budget.disk ('30%': 30%)"]),
     ("[[engine.tenants]]\nname = 'a'\nreserved = { host = '5GiB' }",
      ["reserved.host add up to 5.0 GiB", "engine.budget.host (the default: at most 4.0 GiB"]),
+    ("[[engine.tenants]]\nname = 'a'\nreserved = { disk = '6%' }\n[[engine.tenants]]\nname = 'b'\n"
+     "salt = 'b'\nreserved = { disk = '5%' }",
+     ["reserved.disk add up to 11%", "engine.budget.disk (the default: at most 10%)"]),
 ])
 def test_a_bad_budget_or_quota_is_refused_at_load_naming_the_keys(table, words):
     with pytest.raises(ConfigError) as err:
@@ -194,6 +197,15 @@ def test_a_budget_that_resolves_to_nothing_is_refused_on_that_host():
         Budget(1, 1, -1)
     with pytest.raises(ConfigError, match="engine.budget must be a BudgetSpec"):
         EngineConfig(budget={"host": "1GiB"})
+
+
+def test_reservations_within_the_defaults_bound_load_and_are_checked_at_start():
+    """5% of the disk fits the default (at most 10%) at load; on a machine where the default
+    is the 32 GiB cap and 5% is more, the start refuses it."""
+    config = read_engine_config(b"[[engine.tenants]]\nname = 'a'\nreserved = { disk = '5%' }\n")
+    assert Budget.resolve(config.budget, LAPTOP, config.tenants).tenants[0].reserved[2] > 0
+    with pytest.raises(ConfigError, match="the default: 32.0 GiB"):
+        Budget.resolve(config.budget, BIG, config.tenants)      # 5% of 30 TiB > 32 GiB
 
 
 def test_values_built_in_code_are_checked_like_the_file():
