@@ -361,3 +361,33 @@ def test_the_bulk_path_counts_what_the_per_slot_path_counts(block_bytes):
     assert bulk.num_users == 0 and bulk.idle() == [k for k in bulk.allocated_extents() if k]
     bulk.check_invariants()
     small.check_invariants()
+
+
+def test_a_mapping_of_the_whole_range_costs_nothing_until_extents_grow(tmp_path):
+    """What spares clients remapping: the file is mapped whole, once (without MAP_POPULATE,
+    which would allocate every page of a sparse shm file), and only grown extents take
+    memory; stores into them through the mapping land in the file."""
+    import mmap
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    directory = tempfile.mkdtemp(dir="/dev/shm", prefix="prefixd-extents-")
+    try:
+        pf = sparse(os.path.join(directory, "p.pool"), header(num_slots=4096), budget=128 * MiB,
+                    durable=False)                        # 64 MiB of slots
+        mapping = mmap.mmap(pf.fd, pf.extent_map.file_bytes, mmap.MAP_SHARED,
+                            mmap.PROT_READ | mmap.PROT_WRITE)
+        check(pf)
+        assert pf.held_bytes() == EXT
+        slots = [1000, 1001, 3000]
+        assert pf.take(slots)
+        bb = SMALL.block_bytes
+        for s in slots:
+            mapping[DATA_OFFSET + s * bb:DATA_OFFSET + (s + 1) * bb] = bytes([s % 251]) * bb
+        check(pf)
+        assert pf.held_bytes() == 3 * EXT                 # the header's, 1000-1001's, 3000's
+        assert read_slot(pf, 3000) == bytes([3000 % 251]) * bb
+        mapping.close()
+        pf.close()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
