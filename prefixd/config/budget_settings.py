@@ -1,6 +1,9 @@
 """Byte budgets: how much GPU memory, host memory and disk the whole daemon may take.
 
-The config file says it per tier, for every pool (tenant x layout) together::
+These are the parts the byte budgets are built from: the engine does not use them yet, and
+the config reader refuses ``[engine.budget]`` and a tenant's ``max`` / ``reserved`` as unknown
+keys until it does. Once wired, the config file says it per tier, for every pool (tenant x
+layout) together::
 
     [engine.budget]
     device = "24GiB"       # a size (prefixd.config.sizes) or a percentage
@@ -12,8 +15,9 @@ The config file says it per tier, for every pool (tenant x layout) together::
     max = { host = "8GiB", disk = "50%" }     # the most this tenant's blocks may take
     reserved = { host = "1GiB" }              # bytes other tenants' blocks never take from it
 
-``BudgetSpec`` and ``Quota`` hold what was written (``Size``s, validated when built); ``Budget``
-holds bytes, resolved against a ``Machine`` (what is there) once, when the daemon starts.
+``BudgetSpec`` and ``Quota`` hold what was written (``Size``s, validated when built), a
+``TenantQuota`` one tenant's ``max`` and ``reserved``; ``Budget`` holds bytes, resolved against a
+``Machine`` (what is there) once, when the daemon starts.
 
 Percentages: ``device`` of the GPU's memory, or, on a host without a GPU (the device tier is then
 a shm-backed CPU tensor), of MemTotal, the memory that backs shm; ``host`` of MemTotal; ``disk``
@@ -109,8 +113,8 @@ class BudgetSpec:
 @dataclasses.dataclass(frozen=True)
 class Quota:
     """A tenant's ``max`` or ``reserved``: a ``Size`` per tier, None where it says nothing
-    (no cap for ``max``, nothing reserved for ``reserved``). A mapping given to ``Tenant`` is
-    turned into one (``Quota.of``)."""
+    (no cap for ``max``, nothing reserved for ``reserved``). A mapping given to
+    ``TenantQuota`` is turned into one (``Quota.of``)."""
 
     device: Size | None = None
     host: Size | None = None
@@ -141,6 +145,26 @@ class Quota:
     def as_table(self) -> dict[str, int | str]:
         """The tiers it names, as written (the TOML inline table)."""
         return {t: getattr(self, t).text for t in TIER_NAMES if getattr(self, t) is not None}
+
+
+@dataclasses.dataclass(frozen=True)
+class TenantQuota:
+    """One tenant's ``max`` and ``reserved``, as written; a mapping given as either is read as
+    a ``Quota`` (``TenantQuota("acme", max={"host": "8GiB"})``). ``check_quotas`` and
+    ``Budget.resolve`` take these (or anything with ``name``, ``max`` and ``reserved``).
+
+    Raises:
+        ConfigError: ``max`` or ``reserved`` is not a table of tiers and sizes.
+    """
+
+    name: str
+    max: Quota = Quota()
+    reserved: Quota = Quota()
+
+    def __post_init__(self) -> None:
+        for key in ("max", "reserved"):
+            object.__setattr__(self, key, Quota.of(f"tenant {self.name!r} {key}",
+                                                   getattr(self, key)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -298,8 +322,8 @@ def _reservations_above_budget(tier: str, reserved: dict[str, str], total: str, 
 
 
 def check_quotas(spec: BudgetSpec, tenants: Iterable) -> None:
-    """What the file alone decides of ``Budget``'s checks (see the module docstring): run when
-    an ``EngineConfig`` is built, before any machine is known.
+    """What the file alone decides of ``Budget``'s checks (see the module docstring), for the
+    config reader to run when it reads the file, before any machine is known.
 
     Raises:
         ConfigError: a tenant's reserved above its max, or reservations above a budget, where

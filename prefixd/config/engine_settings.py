@@ -17,10 +17,6 @@ ignores)::
     use_cuda = false           # true | false | "auto"
     forget_missing_tier = false
 
-    [engine.budget]            # bytes per tier for the whole daemon (prefixd.config.budget_settings)
-    host = "4GiB"
-    disk = "10%"
-
     [engine.blocks]            # pool sizes in blocks, per pool (tenant x layout)
     device = 1024
     host = 4096
@@ -32,8 +28,6 @@ ignores)::
     [[engine.tenants]]
     name = "default"
     salt = ""             # the same on every host of a fleet: it names the cluster tier's keys
-    max = { host = "2GiB" }          # optional: the most its blocks take, per tier
-    reserved = { host = "512MiB" }   # optional: bytes other tenants never take from it
 
     [engine.cluster]           # optional: see prefixd.config.cluster_settings
     nodes = ["127.0.0.1:7000"]
@@ -52,7 +46,6 @@ import math
 import re
 
 from prefixd.api.layout import KVLayout
-from prefixd.config.budget_settings import BudgetSpec, Quota, check_quotas
 from prefixd.config.cluster_settings import ClusterConfig
 from prefixd.config.errors import ConfigError
 
@@ -113,18 +106,13 @@ class TierSizes:
 
 @dataclasses.dataclass(frozen=True)
 class Tenant:
-    """One tenant: a name (safe as a directory name), the salt that enters its root hash, and
-    its quota per tier: ``max`` (the most its blocks may take) and ``reserved`` (bytes other
-    tenants' blocks never take), each a ``Quota`` (``prefixd.config.budget_settings``).
+    """One tenant: a name (safe as a directory name) and the salt that enters its root hash.
 
-    ``salt`` is bytes; a ``str`` given here is taken as UTF-8 (what a TOML file holds). A
-    mapping given as ``max`` or ``reserved`` is read as a ``Quota`` (``{"host": "8GiB"}``).
+    ``salt`` is bytes; a ``str`` given here is taken as UTF-8 (what a TOML file holds).
     """
 
     name: str
     salt: bytes = b""
-    max: Quota = Quota()
-    reserved: Quota = Quota()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not TENANT_NAME.fullmatch(self.name):
@@ -136,9 +124,6 @@ class Tenant:
         if not isinstance(self.salt, bytes):
             raise ConfigError(f"tenant {self.name!r}: salt must be a string or bytes, "
                               f"got {type(self.salt).__name__}")
-        for key in ("max", "reserved"):
-            object.__setattr__(self, key, Quota.of(f"tenant {self.name!r} {key}",
-                                                   getattr(self, key)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +131,6 @@ class EngineConfig:
     """Every engine setting and its default.
 
     Attributes:
-        budget: bytes per tier for the whole daemon (``[engine.budget]``, a ``BudgetSpec``,
-            resolved at start by ``prefixd.config.budget_settings.Budget.resolve``).
         blocks: pool sizes of every pool (each (tenant, layout) pool gets them in full).
         model_blocks: ``(model_id, TierSizes)`` pairs that replace ``blocks`` for a layout.
         sync, sync_interval_ms: the WAL's fsync policy (``prefixd.wal.Wal``).
@@ -172,7 +155,6 @@ class EngineConfig:
     """
 
     blocks: TierSizes = TierSizes()
-    budget: BudgetSpec = BudgetSpec()
     model_blocks: tuple[tuple[str, TierSizes], ...] = ()
     sync: str = "commit"
     sync_interval_ms: float = 1000.0
@@ -192,9 +174,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.blocks, TierSizes):
             raise ConfigError(f"engine.blocks must be TierSizes, got {type(self.blocks).__name__}")
-        if not isinstance(self.budget, BudgetSpec):
-            raise ConfigError(f"engine.budget must be a BudgetSpec, got "
-                              f"{type(self.budget).__name__}")
         object.__setattr__(self, "model_blocks", tuple(tuple(p) for p in self.model_blocks))
         seen_models = set()
         for pair in self.model_blocks:
@@ -260,7 +239,6 @@ class EngineConfig:
                 raise ConfigError(f"tenants {salts[tenant.salt]!r} and {tenant.name!r} have the "
                                   f"same salt: give each tenant its own salt")
             salts[tenant.salt] = tenant.name
-        check_quotas(self.budget, tenants)
 
     # -- lookups --------------------------------------------------------------------------------
 

@@ -12,11 +12,7 @@ may differ from the running ones:
 
 Everything else (pool sizes, sync, verify, shm_dir, tenants, socket paths, message sizes...)
 is fixed when the daemon starts or a pool opens: the files, the WAL environment, the recovered
-index and the bound sockets were made with it. The byte budgets (``[engine.budget]``) and the
-tenants' ``max`` / ``reserved`` are among them: pool files are sparse files as large as their
-tier's budget, mapped whole by clients, and the WAL's room is reserved out of the disk budget
-at start, so a new budget needs new files; a changed budget or quota is refused with a log line
-like any other restart key. The engine applies its live keys
+index and the bound sockets were made with it. The engine applies its live keys
 (``prefixd.engine.live_settings``), the daemon its own (``prefixd.daemon.reload``, which has
 one applier per key of ``DAEMON_LIVE_KEYS``).
 """

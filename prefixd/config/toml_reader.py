@@ -19,14 +19,13 @@ from typing import Any
 from prefixd.config.cluster_settings import CLUSTER_KEYS, ClusterConfig
 from prefixd.config.daemon_settings import (DaemonConfig, EventsConfig, Limits, MetricsConfig,
                                             TenantSocket)
-from prefixd.config.budget_settings import BudgetSpec
 from prefixd.config.engine_settings import EngineConfig, Tenant, TierSizes
 from prefixd.config.errors import ConfigError
 
 SCALAR_KEYS = ("sync", "sync_interval_ms", "write_policy", "eviction", "verify",
                "checkpoint_records", "checkpoint_blocks", "spill_blocks", "reclaim_grace_s",
                "shm_dir", "use_cuda", "forget_missing_tier")
-ENGINE_KEYS = SCALAR_KEYS + ("budget", "blocks", "tenants", "cluster")
+ENGINE_KEYS = SCALAR_KEYS + ("blocks", "tenants", "cluster")
 _TIER_KEYS = ("device", "host", "disk")
 
 
@@ -116,10 +115,6 @@ def engine_config(table: Mapping[str, Any]) -> EngineConfig:
             except ConfigError as exc:
                 raise ConfigError(f"in [{where}]: {exc}") from None
         kwargs["model_blocks"] = tuple(models)
-    if "budget" in table:
-        budget = _table("engine.budget", table["budget"])
-        refuse_unknown("engine.budget", budget, _TIER_KEYS)
-        kwargs["budget"] = BudgetSpec(**budget)
     if "tenants" in table:
         kwargs["tenants"] = _tenants(table["tenants"])
     if "cluster" in table:
@@ -134,15 +129,14 @@ def _tenants(tenants) -> tuple[Tenant, ...]:
     parsed = []
     for i, entry in enumerate(tenants):
         entry = _table(f"engine.tenants[{i}]", entry)
-        refuse_unknown(f"engine.tenants[{i}]", entry, ("name", "salt", "max", "reserved"))
+        refuse_unknown(f"engine.tenants[{i}]", entry, ("name", "salt"))
         if "name" not in entry:
             raise ConfigError(f"[[engine.tenants]] number {i + 1} has no name: "
                               f"add name = \"...\"")
         salt = entry.get("salt", "")
         if not isinstance(salt, str):
             raise ConfigError(f"tenant {entry['name']!r}: salt must be a string, got {salt!r}")
-        parsed.append(Tenant(entry["name"], salt, **{k: entry[k] for k in ("max", "reserved")
-                                                      if k in entry}))
+        parsed.append(Tenant(entry["name"], salt))
     return tuple(parsed)
 
 

@@ -10,7 +10,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from prefixd.api.tiers import TIER_NAMES
 from prefixd.config.cluster_settings import ClusterConfig
 from prefixd.config.engine_settings import EngineConfig
 from prefixd.config.errors import ConfigError
@@ -42,22 +41,14 @@ def engine_table(config: EngineConfig) -> dict[str, Any]:
     table["use_cuda"] = "auto" if config.use_cuda is None else config.use_cuda
     if config.checkpoint_blocks is None:
         del table["checkpoint_blocks"]
-    budget = {tier: getattr(config.budget, tier).text for tier in TIER_NAMES
-              if getattr(config.budget, tier) is not None}
-    if budget:
-        table["budget"] = budget
     table["blocks"] = blocks
     tenants = []
     for t in config.tenants:
         try:
-            entry: dict[str, Any] = {"name": t.name, "salt": t.salt.decode()}
+            tenants.append({"name": t.name, "salt": t.salt.decode()})
         except UnicodeDecodeError:
             raise ConfigError(f"tenant {t.name!r}: its salt is not UTF-8 text and cannot be "
                               f"written to a TOML file; use a text salt") from None
-        for key in ("max", "reserved"):
-            if getattr(t, key).as_table():
-                entry[key] = getattr(t, key).as_table()
-        tenants.append(entry)
     table["tenants"] = tenants
     if config.cluster is not None:
         table["cluster"] = cluster_table(config.cluster)
@@ -93,8 +84,6 @@ def _toml_value(value) -> str:
         return _toml_string(value)
     if isinstance(value, (list, tuple)) and not any(isinstance(v, Mapping) for v in value):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, Mapping):  # an inline table: a tenant's max / reserved
-        return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + " }"
     raise ConfigError(f"cannot write {value!r} as a TOML value")
 
 

@@ -9,6 +9,10 @@ memory, so a pool that grows or shrinks never makes them remap.
 
 Every byte it holds is charged to its tier's ``BudgetLedger`` under its tenant, extent by
 extent, so ``ledger.used_bytes`` is what the tier's files take (``st_blocks * 512``).
+
+This module, ``extent_map``, ``falloc`` and ``budget_ledger`` are the parts the byte budgets
+are built from; the engine does not use them yet: its pools are still preallocated files sized
+by ``[engine.blocks]`` (``poolfile.create_pool_file``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from prefixd.config import Budget, BudgetSpec, Machine, Tenant
+from prefixd.config.budget_settings import Budget, BudgetSpec, Machine, TenantQuota
 from prefixd.storage.budget_ledger import BudgetLedger, Shortfall
 from prefixd.storage.errors import BudgetExceededError
 
@@ -114,7 +114,8 @@ def test_releasing_more_than_held_or_charging_a_negative_is_a_caller_bug():
 
 
 def test_a_ledger_for_a_tier_of_a_resolved_budget_carries_the_tenants_quotas():
-    tenants = (Tenant("a", max={"disk": "64MiB"}, reserved={"disk": "16MiB"}), Tenant("b", b"b"))
+    tenants = (TenantQuota("a", max={"disk": "64MiB"}, reserved={"disk": "16MiB"}),
+               TenantQuota("b"))
     budget = Budget.resolve(BudgetSpec(disk="256MiB"), Machine(1 << 34, 1 << 40), tenants)
     led = BudgetLedger.for_tier(budget, "disk", log_reserve=32 * MiB)
     assert led.capacity == 224 * MiB and led.free_bytes == 208 * MiB

@@ -10,8 +10,7 @@ import re
 from prefixd.config.cluster_settings import ClusterConfig
 from prefixd.config.daemon_settings import (DaemonConfig, EventsConfig, Limits, MetricsConfig,
                                             TenantSocket)
-from prefixd.config.budget_settings import BudgetSpec
-from prefixd.config.engine_settings import EngineConfig, Tenant, TierSizes
+from prefixd.config.engine_settings import EngineConfig, TierSizes
 from prefixd.config.toml_reader import load
 
 SAMPLE = pathlib.Path(__file__).resolve().parents[2] / "systemd" / "prefixd.toml"
@@ -20,8 +19,7 @@ SAMPLE = pathlib.Path(__file__).resolve().parents[2] / "systemd" / "prefixd.toml
 SPELLED = {"model_blocks": "[engine.blocks.models.", "blocks": "[engine.blocks]",
            "tenants": "[[engine.tenants]]", "limits": "[daemon.limits]",
            "sockets": "[[daemon.sockets]]", "metrics": "[daemon.metrics]",
-           "events": "[daemon.events]", "cluster": "[engine.cluster]",
-           "budget": "[engine.budget]"}
+           "events": "[daemon.events]", "cluster": "[engine.cluster]"}
 
 
 def test_sample_config_loads_and_equals_the_defaults():
@@ -35,8 +33,8 @@ def test_sample_config_names_every_setting():
     ``socket``, the per-model sizes and ``[[daemon.sockets]]``."""
     text = SAMPLE.read_text()
     missing = []
-    for cls in (EngineConfig, TierSizes, BudgetSpec, Tenant, DaemonConfig, Limits, TenantSocket,
-                MetricsConfig, EventsConfig, ClusterConfig):
+    for cls in (EngineConfig, TierSizes, DaemonConfig, Limits, TenantSocket, MetricsConfig,
+                EventsConfig, ClusterConfig):
         for field in dataclasses.fields(cls):
             spelled = SPELLED.get(field.name)
             if spelled is not None:
