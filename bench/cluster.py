@@ -15,7 +15,7 @@ A, in the layout of SmolLM2-135M (30 layers x 3 KV heads x head dim 64, float16,
                              master's batch sent before any reply is read) over redis-py
                              ``Connection``s with hiredis: the client the store uses, no checks
   floor.mget_nonatomic_gbps  the same keys by redis-py's own ``RedisCluster.mget_nonatomic``
-  store.get_run_gbps         ``RemoteStore.get_run`` of the 128 blocks (checks included)
+  store.get_run_gbps         ``ClusterStore.get_run`` of the 128 blocks (checks included)
   remote.fetch_gbps          ``open`` of the prompt on engine B (its own state directory; it
                              never saw the prompt): get_run + indexing + the copy into B's
                              device pool + the commit with write-through, i.e. promotion into
@@ -69,7 +69,7 @@ from prefixd.api.layout import KVLayout  # noqa: E402
 from prefixd.api.tiers import Tier  # noqa: E402
 from prefixd.engine import Engine, EngineConfig, Tenant, TierSizes  # noqa: E402
 from prefixd.config.cluster_settings import ClusterConfig  # noqa: E402
-from prefixd.storage.remote import RemoteStore  # noqa: E402
+from prefixd.storage.cluster import ClusterStore  # noqa: E402
 from prefixd.tools.redis_cluster import RedisCluster  # noqa: E402
 from prefixd.tools.workloads import gsp, ideal_hit_rate  # noqa: E402
 
@@ -140,7 +140,7 @@ def fetch(cluster: RedisCluster, reps: int, work: str, prefix_tokens: int = PREF
     client = RedisClusterClient(startup_nodes=[ClusterNode(*n.split(":")) for n in cluster.nodes])
     conns = {n: Connection(host=n.split(":")[0], port=int(n.split(":")[1]), socket_read_size=1 << 20,
                            retry=Retry(NoBackoff(), 0), driver_info=None) for n in cluster.nodes}
-    store = RemoteStore(cluster.nodes, a.cluster.namespace, timeout_s=TIMEOUT_MS / 1000.0)
+    store = ClusterStore(cluster.nodes, a.cluster.namespace, timeout_s=TIMEOUT_MS / 1000.0)
     times: dict[str, list[float]] = {"floor": [], "nonatomic": [], "get_run": [], "open": [],
                                     "tick": []}
     promoted = []

@@ -161,7 +161,7 @@ def run_serial(reqs, sizes, sync: str, wait: bool, profile: bool = False) -> dic
     out = {"per_request_us": _median_us(totals), "p99_us": _p99_us(totals),
            "ops_median_us": {k: _median_us(v) for k, v in by_op.items()},
            "per_s": round(len(reqs) / wall, 1), "wal_fsyncs": stats.syncs - syncs0,
-           "disk_fdatasyncs": dc.store.disk_syncs, "forced_reclaims": dc.forced_reclaims,
+           "disk_fdatasyncs": dc.store.disk_syncs, "forced_reclaims": dc.forced_releases,
            "hit_rate": round(dc.cache.stats.hit_rate, 4)}
     eng.close()
     if prof is not None:
@@ -215,7 +215,7 @@ def run_concurrent(reqs, sizes, lanes: int = LANES) -> dict:
     out = {"per_s": round(len(reqs) / wall, 1), "wal_fsyncs": fsyncs,
            "per_fsync": round(len(reqs) / max(1, fsyncs), 2),
            "commit_latency_median_us": _median_us(latencies), "commit_latency_p99_us": _p99_us(latencies),
-           "disk_fdatasyncs": dc.store.disk_syncs, "forced_reclaims": dc.forced_reclaims,
+           "disk_fdatasyncs": dc.store.disk_syncs, "forced_reclaims": dc.forced_releases,
            "hit_rate": round(dc.cache.stats.hit_rate, 4)}
     eng.close()
     return out

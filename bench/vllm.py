@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [r.input_ids for r in requests]
     work = tempfile.mkdtemp(prefix="bench-vllm-", dir="/tmp")
     # Every prompt's blocks fit in each tier (no eviction: this measures reuse, not capacity).
-    blocks = sum(len(p) // 128 + 2 for p in prompts) + 8
+    # And one request of vLLM's max_model_len (4096) fits: the daemon refuses a smaller pool at Attach.
+    blocks = max(sum(len(p) // 128 + 2 for p in prompts) + 8, 4096 // 128)
     daemon = DaemonProc(os.path.join(work, "d"), device=blocks, host=blocks, disk=blocks, lease_s=10.0,
                         keep=True)
     phases: dict[str, vllm_child.VllmResult] = {}

@@ -33,7 +33,7 @@ def test_deferred_slots_are_not_reused_until_reclaimed():
     alloc.defer_free(slots)
     assert alloc.allocate(1) is None
     assert alloc.num_deferred == 2 and alloc.num_used == 0
-    assert alloc.reclaim_deferred() == 2
+    assert alloc.release_all_deferred() == 2
     assert sorted(alloc.allocate(2)) == [0, 1]
     alloc.check_invariants()
 
@@ -112,7 +112,7 @@ def test_the_never_used_bound_hands_out_exactly_what_one_free_list_did(seed):
             alloc.defer_free(part)
             model.deferred += part
         else:
-            alloc.reclaim_deferred()
+            alloc.release_all_deferred()
             model.free.extend(reversed(model.deferred))
             model.deferred.clear()
         assert alloc.num_free == len(model.free)
@@ -136,7 +136,7 @@ def test_quarantine_batches_come_back_in_order_once_the_watermark_passes_their_m
     assert alloc.release_deferred(15) == 2 and alloc.allocate(2) == slots[:2]
     assert alloc.release_deferred(10**9) == 2 and alloc.num_deferred == 2
     alloc.check_invariants()
-    assert alloc.reclaim_deferred() == 2 and alloc.num_free == 4
+    assert alloc.release_all_deferred() == 2 and alloc.num_free == 4
     alloc.check_invariants()
     with pytest.raises(ValueError, match="ascend"):
         alloc.defer_free([0])

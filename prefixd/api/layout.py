@@ -6,7 +6,6 @@ import dataclasses
 import hashlib
 import math
 
-import numpy as np
 
 # dtype name -> (bytes per element, numpy view used for raw byte handling)
 _DTYPES = {
@@ -99,6 +98,8 @@ def as_token_bytes(tokens) -> bytes:
         if len(raw) % 4:
             raise ValueError(f"packed tokens must be a multiple of 4 bytes, got {len(raw)}")
         return raw
+    import numpy as np  # here, not at import: prefixctl imports this module and answers without it
+
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")

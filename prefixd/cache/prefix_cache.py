@@ -10,7 +10,7 @@ from prefixd.cache.events import (BlocksMoved, BlocksStored, SeqCommitted, SeqEx
                                   SeqOpened, SeqReleased, new_event)
 from prefixd.cache.errors import InvalidTokens, OutOfBlocks, UnknownSequence
 from prefixd.cache.lookup import LookupResult, lookup
-from prefixd.cache.node import DEVICE, Node
+from prefixd.cache.node import DEVICE, Node, path_to
 from prefixd.cache.policy import make_policy
 from prefixd.cache.radix import RadixTree
 from prefixd.cache.sequence import Sequence
@@ -64,7 +64,7 @@ class PrefixCache:
         tiers = [t for t, a in enumerate(self.allocators) if a is not None]
         self.tree = RadixTree(block_size, root_hash, make_policy(policy), tiers)
         self.data = data
-        self.on_deferred_shortage = None  # the durable engine commits the WAL and reclaims
+        self.on_deferred_shortage = None  # the durable engine commits the WAL and releases
         self.tiering = None
         if len(tiers) > 1 or write_policy != "write_through":
             from prefixd.cache.tiering import Tiering
@@ -146,16 +146,22 @@ class PrefixCache:
 
     # -- mutations -----------------------------------------------------------------------
 
-    def open(self, tokens, extra: bytes = b"", *, full_match: bool = False) -> Sequence:
+    def open(self, tokens, extra: bytes = b"", *, full_match: bool = False,
+             seq_id: int | None = None) -> Sequence:
         """Share the longest cached run of ``tokens`` and allocate blocks for the rest.
 
         At most ``len(tokens) - 1`` tokens are served from the cache (the engine must compute
         the last one to get its logits), unless ``full_match`` (a reclaim after a restart).
+        ``seq_id``: the id to use (``reopen_recovered``: an id handed out before a restart and
+        not live now); default: the next one.
 
         Raises:
             InvalidTokens: empty or malformed tokens.
             OutOfBlocks: not enough device blocks can be freed; nothing changed.
+            ValueError: ``seq_id`` is live or was never handed out; nothing changed.
         """
+        if seq_id is not None and (seq_id in self._seqs or not 0 < seq_id < self._next_id):
+            raise ValueError(f"sequence id {seq_id} is live or was never handed out")
         if type(tokens) is not bytes or len(tokens) & 3:
             tokens = self._tokens(tokens)
         bs = self.block_size
@@ -211,8 +217,9 @@ class PrefixCache:
                 tree.unlock(node)
                 raise OutOfBlocks(need, self.device.num_free)
         table += slots
-        seq_id = self._next_id
-        self._next_id = seq_id + 1
+        if seq_id is None:
+            seq_id = self._next_id
+            self._next_id = seq_id + 1
         seq = Sequence(seq_id, extra, tokens, table, node, num_cached, num_cached * bs)
         self._seqs[seq_id] = seq
         stats = self.stats
@@ -315,6 +322,15 @@ class PrefixCache:
             owned += seq.dup_slots
         self.device.free(owned)
         self.events.append(new_event(SeqReleased, (seq_id,)))
+
+    def reopen_recovered(self, seq_id: int, node: Node, extra: bytes) -> Sequence:
+        """Reopen a sequence that survived a restart only as a lock on ``node``, under its own
+        id, then drop that lock. Its OPEN event supersedes the recovered sequence in the log
+        (replay keys sequences by id): no ``SeqReleased``. Raises OutOfBlocks as ``open``
+        (nothing changed, ``node`` stays locked)."""
+        seq = self.open(b"".join(n.tokens for n in path_to(node)), extra, full_match=True, seq_id=seq_id)
+        self.tree.unlock(node)
+        return seq
 
     def release_recovered(self, seq_id: int, node: Node) -> None:
         """Release a sequence that survived a restart only as a lock on ``node`` (held by the

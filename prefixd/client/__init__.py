@@ -15,7 +15,11 @@ Imports only ``prefixd.api``, ``prefixd.config`` and ``prefixd.kernels``
 ``attachment`` (channel, Attach/Detach, lease, recovery), ``handles`` (Sequence, LookupResult),
 ``errors`` (typed exceptions), ``keepalive`` (the lease thread), ``mapped`` (pool mappings and
 the mapped KV path), ``remote_kv`` (WriteKV / ReadKV / Attend), ``reconnect`` (backoff, reclaim),
-``wire`` (token ids on the wire), ``kv_events`` (KV events for routers), ``ctl`` (prefixctl).
+``wire`` (token ids on the wire), ``kv_events`` (KV events for routers), ``ctl`` (prefixctl),
+``breaker`` (fail fast while the daemon does not answer).
+
+NOTE: ``Session`` and ``connect`` load on first access: ``session`` imports torch (seconds),
+and ``prefixctl`` (``prefixd.client.ctl``) imports this package without needing either.
 """
 
 from prefixd.api.layout import KVLayout
@@ -25,7 +29,6 @@ from prefixd.client.errors import (DaemonRestarted, DataLoss, DeadlineExceeded, 
 from prefixd.client.kv_events import KVEvent
 from prefixd.client.handles import LookupResult, Sequence
 from prefixd.client.reconnect import Backoff
-from prefixd.client.session import Session, connect
 
 __all__ = [
     "Backoff",
@@ -47,3 +50,11 @@ __all__ = [
     "Unavailable",
     "connect",
 ]
+
+
+def __getattr__(name: str):
+    if name in ("Session", "connect"):
+        from prefixd.client import session
+
+        return getattr(session, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

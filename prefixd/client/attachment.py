@@ -19,12 +19,13 @@ import grpc
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.client.remote_kv import KVStub
 from prefixd.api.layout import KVLayout
-from prefixd.client.errors import (DaemonRestarted, InvalidArgument, MappingError, NotFound, PrefixdError,
-                                   Unavailable, from_rpc_error)
+from prefixd.client.breaker import Breaker
+from prefixd.client.errors import (DaemonRestarted, DeadlineExceeded, InvalidArgument, MappingError, NotFound,
+                                   PrefixdError, Unavailable, from_rpc_error)
 from prefixd.client.handles import Sequence
 from prefixd.client.keepalive import KeepAlive
 from prefixd.client.mapped import MappedPool, map_pool
-from prefixd.client.reconnect import Backoff, apply_reclaim, unknown_reclaimed
+from prefixd.client.reconnect import Backoff, apply_reclaim, reclaim_sessions, unknown_reclaimed
 
 log = logging.getLogger(__name__)
 
@@ -41,15 +42,17 @@ _CHANNEL_OPTIONS = [
 class Attachment:
     """One client's attachment: session id, lease, pool mappings, live sequences, recovery.
 
-    ``Session`` (session.py) adds the API calls; this class owns the connection and its state.
+    A ``Session`` (session.py) holds one and adds the API calls; this class owns the
+    connection and its state.
 
     Data structure:
         ``id``/``epoch``/``tenant``/``lease_s``/``max_message_bytes``: from the last Attach.
         ``_live``: id -> ``Sequence`` for every handle opened, forked or reclaimed and not yet
         released (what a recovery updates). ``pool``: the mapped device pool, or None (rpcs).
         ``_generation``: bumped by each recovery that re-attached; a failed call recovers only
-        if no one has since its call started. ``_reclaim_from``: the session of before the
-        restart while a recovery has not yet had its Reclaim answered (0 otherwise).
+        if no one has since its call started. ``_reclaim_from``: the sessions to reclaim while
+        a recovery has not yet had its Reclaim answered (empty otherwise): the one of before
+        the restart, and each session a cut Reclaim may have moved the sequences into.
 
     Invariants: every handle in ``_live`` is neither released nor lost and is keyed by its
     current id; at most one KeepAlive runs, and none after ``close()``.
@@ -57,7 +60,8 @@ class Attachment:
 
     def __init__(self, socket_path: str, layout: KVLayout, name: str, *, mapped: bool | None,
                  lease_renew: float | None, reconnect: bool, backoff: Backoff | None,
-                 timeout_s: float | None) -> None:
+                 timeout_s: float | None, request_timeout_ms: float | None = None,
+                 max_model_len: int | None = None) -> None:
         if not isinstance(layout, KVLayout):
             raise InvalidArgument(f"layout must be a prefixd.client.KVLayout, got {type(layout).__name__}")
         self.socket_path = str(socket_path)
@@ -67,12 +71,24 @@ class Attachment:
         self._lease_renew = lease_renew
         self._reconnect = reconnect
         self._backoff = backoff or Backoff()
-        self._timeout = timeout_s
+        # -- fail fast (breaker.py): request-path calls get ``request_timeout_ms``, Attach,
+        # Reclaim and the bulk KV rpcs keep ``timeout_s``; None: no breaker, one deadline
+        self._bulk_timeout = timeout_s
+        if max_model_len is not None and (not isinstance(max_model_len, int) or not 0 < max_model_len < 2**32):
+            raise InvalidArgument(f"max_model_len must be a positive int (or None), got {max_model_len!r}")
+        self._max_model_len = max_model_len or 0
+        self._breaker: Breaker | None = None
+        if request_timeout_ms is not None:
+            if not request_timeout_ms > 0:
+                raise InvalidArgument(f"request_timeout_ms must be > 0 (or None), got {request_timeout_ms!r}")
+            self._breaker = Breaker(self._probe_daemon, name=name)
+        self._timeout = request_timeout_ms / 1000 if request_timeout_ms is not None else timeout_s
+        # -- end fail fast
         self._lock = threading.RLock()
         self._live: dict[int, Sequence] = {}
         self._generation = 0
         self._last_reclaimed: list[Sequence] = []
-        self._reclaim_from = 0
+        self._reclaim_from: list[int] = []
         self._closed = False
         self._detached = False
         self._keepalive: KeepAlive | None = None
@@ -103,6 +119,8 @@ class Attachment:
         # Set before taking the lock: a recovery in flight (holding it) gives up at its next
         # wait, and the stream Detach ends must not start a new one.
         self._closed = True
+        if self._breaker is not None:
+            self._breaker.stop()
         with self._lock:
             if self._detached:
                 return 0
@@ -149,11 +167,12 @@ class Attachment:
 
     def _attach_rpc(self, *, retry: bool) -> pb.AttachReply:
         """Attach (with backoff while UNAVAILABLE when ``retry``); nothing of it is used yet."""
-        request = pb.AttachRequest(client_name=self.name, layout=pb.KVLayout(**_layout_fields(self.layout)))
+        request = pb.AttachRequest(client_name=self.name, layout=pb.KVLayout(**_layout_fields(self.layout)),
+                                   max_model_len=self._max_model_len)
         waits = self._backoff.waits()
         while True:
             try:
-                reply = self._stub.Attach(request, timeout=self._timeout)
+                reply = self._stub.Attach(request, timeout=self._bulk_timeout)
                 break
             except grpc.RpcError as exc:
                 err = from_rpc_error(exc)
@@ -202,6 +221,9 @@ class Attachment:
         """KeepAlive thread: the stream broke. Recover now (reclaim has a grace period)."""
         if not self._reconnect or self._closed:
             return
+        if self._breaker is not None:  # fail fast: its probe recovers once the daemon answers
+            self._breaker.trip(error)
+            return
         gen = self._generation
         threading.Thread(target=self._recover_quietly, args=(gen,), name="prefixd-reconnect", daemon=True).start()
 
@@ -229,9 +251,9 @@ class Attachment:
                                                 renew_s=self._lease_renew).start()
                 return None
             self._stop_keepalive()
-            # The session whose sequences to reclaim: the one before the restart, kept across
+            # The sessions whose sequences to reclaim: the one before the restart, kept across
             # a recovery that re-attached but failed before its Reclaim answered.
-            previous = self._reclaim_from or self.id
+            previous = self._reclaim_from or [self.id]
             self._reclaim_from = previous
             # NOTE: the new session is used (``self.id``, the pool, the lease) only once its
             # Reclaim is applied to the handles. Made visible at Attach, a call on another
@@ -240,17 +262,16 @@ class Attachment:
             # lease check with a handle still holding the old daemon's block table.
             attached = self._attach_rpc(retry=True)
             try:
-                reply = self._stub.Reclaim(pb.ReclaimRequest(session_id=attached.session_id,
-                                                             previous_session_id=previous),
-                                           timeout=self._timeout)
+                reply = reclaim_sessions(self._stub, attached.session_id, previous, self._bulk_timeout)
             except grpc.RpcError as exc:
                 err = from_rpc_error(exc)
-                if isinstance(err, Unavailable):  # down again: the next recovery reclaims
+                if isinstance(err, Unavailable):  # down again: the next recovery reclaims, see
+                    self._reclaim_from = previous + [attached.session_id]  # reclaim_sessions
                     raise err from None
-                log.warning("reclaim refused, the session's sequences are lost previous=%#x error=%s",
+                log.warning("reclaim refused, the session's sequences are lost previous=%s error=%s",
                             previous, err)
                 reply = pb.ReclaimReply()
-            self._reclaim_from = 0
+            self._reclaim_from = []
             handles = apply_reclaim(self._live, reply, self.layout.block_size)
             self._adopt(attached)
             for seq_id in unknown_reclaimed(self._live, reply):
@@ -258,7 +279,7 @@ class Attachment:
             self._last_reclaimed = handles
             self._generation += 1
             self.recoveries += 1
-            log.warning("reconnected session=%#x previous=%#x reclaimed=%d lost=%d", self.id, previous,
+            log.warning("reconnected session=%#x previous=%s reclaimed=%d lost=%d", self.id, previous,
                         sum(s.reclaimed for s in handles), sum(s.lost for s in handles))
             return handles
 
@@ -298,6 +319,9 @@ class Attachment:
         ka = self._keepalive
         if ka is None or ka.lost is not None:
             gen = self._generation
+            if self._breaker is not None and self._reconnect:  # fail fast: the probe recovers
+                self._breaker.trip((ka.lost if ka is not None else None) or Unavailable("no keep-alive stream"))
+                raise self._breaker.error("a mapped access")
             if not self._reconnect:
                 raise NotFound(f"session {self.id:#x} lost its keep-alive stream (daemon restarted or lease "
                                f"lapsed): connect again")
@@ -312,11 +336,17 @@ class Attachment:
         on a lost session recover, then retry (``retry_safe``) or raise DaemonRestarted."""
         if self._closed:
             raise NotFound("the session is closed; connect again")
+        breaker = self._breaker
+        if breaker is not None and not breaker.allow():
+            raise breaker.error(what)
         gen = self._generation
         try:
             return fn()
         except grpc.RpcError as exc:
             err = from_rpc_error(exc)
+        if breaker is not None and self._breaker_trips_on(err):
+            breaker.trip(err)  # the probe (on its own thread) recovers the session if it must
+            raise err
         if not self._reconnect or not isinstance(err, (Unavailable, NotFound)):
             raise err
         handles = self._recover(gen)
@@ -332,7 +362,43 @@ class Attachment:
         raise DaemonRestarted(f"the daemon restarted during {what}; the session re-attached and reclaimed "
                               f"its sequences (see each one's num_tokens / lost): redo the {what}", handles)
 
+    # -- fail fast ---------------------------------------------------------------------------
+
+    def _breaker_trips_on(self, err: PrefixdError) -> bool:
+        """A missed deadline or an unreachable daemon; with reconnect, a lost session too (the
+        probe re-attaches off the caller's thread)."""
+        return isinstance(err, (Unavailable, DeadlineExceeded)) or (self._reconnect and isinstance(err, NotFound))
+
+    def _probe_daemon(self) -> bool:
+        """The breaker's probe (its own thread): a Stats of this session under the request
+        deadline. True once the daemon answered and the session is usable again: with
+        reconnect, a session the daemon no longer knows (restart, lapsed lease) is re-attached
+        and reclaimed here first, so that no caller pays the Attach."""
+        gen = self._generation
+        try:
+            self._stub.Stats(pb.StatsRequest(session_id=self.id), timeout=self._timeout)
+            alive = True
+        except grpc.RpcError as exc:
+            err = from_rpc_error(exc)
+            if isinstance(err, (Unavailable, DeadlineExceeded)):
+                return False
+            alive = not isinstance(err, NotFound)
+        ka = self._keepalive
+        if self._reconnect and not self._closed and (not alive or ka is None or ka.lost is not None):
+            try:
+                self._recover(gen)
+            except Unavailable:
+                return False
+        return True
+
+    @property
+    def breaker(self) -> Breaker | None:
+        """The session's circuit breaker (None without ``request_timeout_ms``)."""
+        return self._breaker
+
     def check_invariants(self) -> None:
+        if self._breaker is not None:
+            self._breaker.check_invariants()
         for seq_id, seq in self._live.items():
             assert seq.id == seq_id and not seq.released and not seq.lost, seq
             seq.check_invariants()

@@ -1,7 +1,7 @@
-"""Reconnecting after a daemon restart: the backoff schedule and applying a Reclaim reply.
+"""Reconnecting after a daemon restart: the backoff schedule, the Reclaims, applying their reply.
 
-The procedure itself is ``Session._recover`` (it owns the session's state); the pieces here are
-pure and unit-tested on their own.
+The procedure itself is ``Attachment._recover`` (it owns the session's state); the pieces here are
+small and unit-tested on their own (``reclaim_sessions`` only calls the stub it is given).
 """
 
 from __future__ import annotations
@@ -43,6 +43,26 @@ class Backoff:
                 return
             yield min(wait, left)
             wait = min(self.max_s, wait * self.multiplier)
+
+
+def reclaim_sessions(stub, session_id: int, previous: list[int], timeout_s: float | None) -> pb.ReclaimReply:
+    """Reclaim every session of ``previous`` into ``session_id``, in order; one reply holding
+    all their sequences.
+
+    NOTE: more than one session after a Reclaim cut by another restart: the daemon answers a
+    Reclaim once its sequences are durable under the new session (keeping their ids), so a
+    cut one may have moved them there or not; the next recovery asks both.
+
+    Raises:
+        grpc.RpcError: the first Reclaim that failed (the daemon applied those before it:
+            their sequences are in ``session_id`` now).
+    """
+    reply = pb.ReclaimReply()
+    for prev in previous:
+        got = stub.Reclaim(pb.ReclaimRequest(session_id=session_id, previous_session_id=prev),
+                           timeout=timeout_s)
+        reply.sequences.extend(got.sequences)
+    return reply
 
 
 def apply_reclaim(live: dict[int, Sequence], reply: pb.ReclaimReply, block_size: int) -> list[Sequence]:

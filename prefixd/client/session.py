@@ -60,7 +60,8 @@ log = logging.getLogger(__name__)
 
 def connect(socket_path: str, layout: KVLayout, name: str = "prefixd-client", *, mapped: bool | None = None,
             lease_renew: float | None = None, reconnect: bool = True, backoff: Backoff | None = None,
-            timeout_s: float | None = 60.0) -> "Session":
+            timeout_s: float | None = 60.0, request_timeout_ms: float | None = None,
+            max_model_len: int | None = None) -> "Session":
     """Attach to the daemon on ``socket_path`` for ``layout``; use as a context manager.
 
     Args:
@@ -68,21 +69,89 @@ def connect(socket_path: str, layout: KVLayout, name: str = "prefixd-client", *,
             requires the mapping (MappingError otherwise); ``False`` always uses the rpcs.
         lease_renew: seconds between keep-alive pings (default: a third of the lease).
         reconnect: recover after a daemon restart (module docstring); ``backoff`` bounds it.
-        timeout_s: deadline of each call (None: none).
+        timeout_s: deadline of each call (None: none); with ``request_timeout_ms``, of Attach,
+            Reclaim and the bulk KV rpcs (write_kv, read_kv, attend) only.
+        request_timeout_ms: fail fast (``prefixd.client.breaker``): the deadline in ms of the
+            request-path calls (lookup, open, extend, commit, fork, release, stats). A call that
+            misses it, or finds the daemon unreachable or the session lost, trips the session's
+            breaker: until a background probe sees the daemon answer (and re-attaches after a
+            restart), every call raises ``DaemonNotAnswering`` (an ``Unavailable``) at once.
+            Calls are then never retried inside the library. None (default): no breaker; calls
+            wait through a restart as described in the module docstring.
+        max_model_len: the longest request this client runs, in tokens (None: unknown); the
+            daemon refuses the Attach when one such request cannot fit the pool.
     Raises:
         Unavailable: no daemon answered (within the backoff's total when ``reconnect``);
-        InvalidArgument: the daemon refused the layout; MappingError: ``mapped=True`` and the
-        pool cannot be mapped.
+        InvalidArgument: the daemon refused the layout; ResourceExhausted: the pool cannot hold
+        one request of ``max_model_len`` (the message names the config key); MappingError:
+        ``mapped=True`` and the pool cannot be mapped.
     """
     return Session(socket_path, layout, name, mapped=mapped, lease_renew=lease_renew, reconnect=reconnect,
-                   backoff=backoff, timeout_s=timeout_s)
+                   backoff=backoff, timeout_s=timeout_s, request_timeout_ms=request_timeout_ms,
+                   max_model_len=max_model_len)
 
 
-class Session(Attachment):
-    """The client API over one attachment (see ``Attachment`` for its state and invariants).
+def _attached(name: str, doc: str | None = None) -> property:
+    """An attribute of the session that is its attachment's (read and set through)."""
+    return property(lambda self: getattr(self.attachment, name),
+                    lambda self, value: setattr(self.attachment, name, value), doc=doc)
+
+
+class Session:
+    """The client API over one attachment, which it holds (``attachment``: the channel, the
+    session id, the lease, the live handles and recovery; see ``Attachment`` for its state and
+    invariants).
 
     Every method that names a ``Sequence`` updates it in place from the daemon's reply.
     """
+
+    def __init__(self, socket_path: str, layout: KVLayout, name: str, *, mapped: bool | None,
+                 lease_renew: float | None, reconnect: bool, backoff: Backoff | None,
+                 timeout_s: float | None, request_timeout_ms: float | None = None,
+                 max_model_len: int | None = None) -> None:
+        self.attachment = Attachment(socket_path, layout, name, mapped=mapped, lease_renew=lease_renew,
+                                     reconnect=reconnect, backoff=backoff, timeout_s=timeout_s,
+                                     request_timeout_ms=request_timeout_ms, max_model_len=max_model_len)
+
+    # -- the attachment's state and lifecycle --------------------------------------------------
+
+    socket_path = _attached("socket_path")
+    layout = _attached("layout")
+    name = _attached("name")
+    id = _attached("id", "The session id of the last Attach (a recovery changes it).")
+    epoch = _attached("epoch", "The daemon's epoch at the last Attach.")
+    tenant = _attached("tenant")
+    lease_s = _attached("lease_s")
+    max_message_bytes = _attached("max_message_bytes")
+    pool = _attached("pool", "The mapped device pool (``MappedPool``), or None (KV over the rpcs).")
+    recoveries = _attached("recoveries", "How many recoveries re-attached this session.")
+    mapped = _attached("mapped", "True when KV and attention go through the mapped pool.")
+    breaker = _attached("breaker", "The fail-fast breaker (``request_timeout_ms``), or None.")
+    lease_held = _attached("lease_held", "True while the keep-alive stream is up (``Attachment.lease_held``).")
+    # what the calls below use of the attachment: its stub, deadline, live handles and call path
+    _stub = _attached("_stub")
+    _timeout = _attached("_timeout")
+    _bulk_timeout = _attached("_bulk_timeout")
+    _live = _attached("_live")
+    _closed = _attached("_closed")
+    _call = _attached("_call")
+    _check_lease = _attached("_check_lease")
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> int:
+        """Detach (``Attachment.close``): the daemon releases every sequence still held.
+        Returns the sequences it released (0 if the daemon was gone). Idempotent."""
+        return self.attachment.close()
+
+    detach = close
+
+    def check_invariants(self) -> None:
+        self.attachment.check_invariants()
 
     # -- the API -----------------------------------------------------------------------------
 
@@ -176,7 +245,7 @@ class Session(Attachment):
                 pool.write(seq, start, kv)
                 return
         self._call(lambda: remote_kv.write_kv(self._stub, self.id, seq.id, start, kv, self.layout.block_size,
-                                              self.max_message_bytes, self._timeout),
+                                              self.max_message_bytes, self._bulk_timeout),
                    retry_safe=False, what="write_kv")
 
     def read_kv(self, seq: Sequence, start: int, n: int, *, out=None):
@@ -196,7 +265,7 @@ class Session(Attachment):
             if pool is not None:
                 return pool.read(seq, start, n, out)
         return self._call(lambda: remote_kv.read_kv(self._stub, self.id, seq.id, start, n, self.layout,
-                                                    self._timeout, out), retry_safe=False, what="read_kv")
+                                                    self._bulk_timeout, out), retry_safe=False, what="read_kv")
 
     def attend(self, seqs, q, *, layer: int = 0, new_k=None, new_v=None, query_start_loc=None,
                scale: float | None = None):
@@ -224,7 +293,7 @@ class Session(Attachment):
                     raise InvalidArgument(str(exc)) from None
         out = self._call(lambda: remote_kv.attend(self._stub, self.id, [s.id for s in seqs], q, layer=layer,
                                                   new_k=new_k, new_v=new_v, query_start_loc=query_start_loc,
-                                                  scale=scale, timeout=self._timeout),
+                                                  scale=scale, timeout=self._bulk_timeout),
                          retry_safe=False, what="attend")
         return out.to(q.device)
 

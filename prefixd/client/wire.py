@@ -7,8 +7,6 @@ from __future__ import annotations
 import struct
 import sys
 
-import numpy as np
-import torch
 
 from prefixd.api.layout import as_token_bytes
 from prefixd.client.errors import InvalidArgument
@@ -26,7 +24,10 @@ def pack_tokens(tokens) -> bytes:
     Raises:
         InvalidArgument: not 1-D integers in ``[0, 2**31)``, or bytes not a multiple of 4.
     """
-    if isinstance(tokens, torch.Tensor):
+    # NOTE: torch is not imported here: ``prefixctl`` packs token ids through this module and
+    # answers without it (seconds of import). A tensor exists only if torch is already loaded.
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(tokens, torch.Tensor):
         if tokens.is_floating_point() or tokens.is_complex():
             raise InvalidArgument(f"tokens must be integers, got a tensor of {tokens.dtype}")
         tokens = tokens.detach().cpu().numpy()
@@ -43,4 +44,6 @@ def unpack_ints(raw: bytes) -> list[int]:
     for a 136-entry table on cold caches, numpy's ``frombuffer`` + ``tolist`` 34."""
     if _NATIVE_LE_I32:
         return memoryview(raw).cast("i").tolist()
+    import numpy as np  # big-endian hosts only
+
     return np.frombuffer(raw, dtype="<i4").tolist()

@@ -1,11 +1,11 @@
 """The daemon's own rpcs on a tenant's socket: Stats, SubscribeEvents, Status, Checkpoint.
 
-``AdminRpcs`` is the half of ``PrefixCacheService`` (``prefixd.daemon.service``) that asks
+``AdminRpcs`` is the part of ``PrefixCacheService`` (``prefixd.daemon.service``) that asks
 about or acts on the daemon as a whole rather than on a session's sequences or KV.
 
-NOTE: a mixin, not a servicer of its own: gRPC registers one servicer per service
-(``handlers.add_service``), and these handlers share its ``core``, ``tenant`` and session
-check (``_session``).
+NOTE: a part the servicer holds, not a servicer of its own: gRPC registers one servicer per
+service (``handlers.add_service``), so ``PrefixCacheService`` keeps a handler for each of these
+rpcs that awaits this part's.
 """
 
 from __future__ import annotations
@@ -25,11 +25,21 @@ log = logging.getLogger(__name__)
 
 
 class AdminRpcs:
-    """The daemon rpcs of ``PrefixCacheService``; not used alone (see the module's NOTE).
+    """The daemon rpcs of one tenant's ``PrefixCacheService`` (see the module's NOTE).
 
-    Expects of its subclass ``core`` (the ``DaemonCore``), ``tenant`` and ``_session``; holds no
-    state of its own.
+    Args:
+        core: the ``DaemonCore``.
+        tenant: the socket's tenant (Status and Stats report its pools and sessions only).
+        session: ``session(session_id)``: the caller's session of ``tenant``, checked and
+            pinged (the servicer's ``_session``; raises for a session not found).
+
+    Holds no state beyond these.
     """
+
+    def __init__(self, core, tenant: str, session) -> None:
+        self.core = core
+        self.tenant = tenant
+        self._session = session
 
     @rpc
     async def Stats(self, request, context):

@@ -71,6 +71,9 @@ class DaemonCore:
         self.rpc_times = RpcTimes()  # latency by (method, status), fed by ``rpc_call.rpc``
         self.metrics = None  # the Prometheus endpoint (``metrics_http.MetricsExporter``), if started
         self.in_flight = 0
+        # unary calls matched and not yet finished on the wire (their status sent): a clean
+        # stop waits for none before the process ends (``server.Daemon._drain``)
+        self.open_calls = 0
         self.progress = RecoveryProgress()  # records replayed / to replay while recovering
         self.keepalive_tasks: set = set()  # KeepAlive handlers' tasks, cancelled at a stop
         # KV events for routers, per tenant (fed by the engine once it serves; SubscribeEvents)
@@ -82,6 +85,10 @@ class DaemonCore:
         self.compute_threads = compute_threads()
         self.compute = ThreadPoolExecutor(max_workers=self.compute_threads,
                                           thread_name_prefix="prefixd-attend")
+
+    def call_closed(self, _context=None) -> None:
+        """A unary call finished (its status sent): the done callback ``rpc_call.rpc`` sets."""
+        self.open_calls -= 1
 
     def check_serving(self) -> None:
         """Raises UNAVAILABLE unless the daemon serves."""

@@ -1,5 +1,5 @@
-"""The KV data path over RPC: ``WriteKV``, ``ReadKV`` and ``Attend`` (DESIGN.md "The API"; issue 11
-item 5). The pool descriptors a client maps instead are ``prefixd.daemon.pool_descriptors``.
+"""The KV data path over RPC: ``WriteKV``, ``ReadKV`` and ``Attend`` (DESIGN.md "The API").
+The pool descriptors a client maps instead are ``prefixd.daemon.pool_descriptors``.
 
 For clients that cannot map the pools (another user, a container), KV travels through the
 socket as ``KVChunk`` messages: the KV of tokens ``start .. start + num_tokens`` of one
@@ -9,10 +9,12 @@ the event-loop thread, which owns the engine; they raise ``RpcFailure`` (``prefi
 for every refusal, and let the engine's typed errors through for ``status_of``.
 
 What the checks guarantee: through these rpcs a client writes only tokens of a sequence its
-session owns, within the sequence's length, and only in blocks private to that sequence
-(``PrefixCache.private_blocks``: never an indexed block, which other prompts may be reading,
-never the partial last block it still shares with forked siblings). A refusal writes nothing
-of the refused chunk, so it never changes the pool's shared blocks or the index.
+session owns, within the sequence's length, and only in blocks private to that sequence (the
+engine's rules, ``prefixd.engine.kv_io.PoolKV``: never an indexed block, which other prompts may
+be reading, never the partial last block it still shares with forked siblings). A refusal
+writes nothing of the refused chunk, so it never changes the pool's shared blocks or the index.
+This module checks what is the rpc's own (the session, the message's fields and size) and
+reaches the pool's KV only through ``session.pool.kv``.
 
 NOTE (a stream is checked chunk by chunk): each ``WriteKV`` chunk is checked, then written,
 as it arrives: a stream can be far larger than memory is willing to buffer, and the loop
@@ -26,10 +28,10 @@ NOTE (Attend's kernel leaves the loop): ``prepare_attend`` checks, writes the ne
 builds the arguments on the loop, and returns the kernel as an ``AttendJob`` the servicer runs
 in parts on its compute threads (``DaemonCore.compute``; ``attend`` runs it inline, for tests).
 On a GPU the launch is asynchronous and the wait is the output's copy to the host; on a CPU
-pool the reference kernel does the work: measured ~70 ms for a decode step of 16 sequences x
-2k tokens of the tiny layout (4 layers, 2 KV heads, head_dim 64, float16) on the shared 2-core
-dev host, against ~1 ms of checks, tables and encoding around it -- long enough that the loop
-should not wait for it.
+pool the reference kernel does the work: ~70 ms for a decode step of 16 sequences x 2k
+tokens of a tiny layout (4 layers, 2 KV heads, head_dim 64, float16) on two cores, against
+~1 ms of checks, tables and encoding around it -- long enough that the loop should not wait
+for it.
 """
 
 from __future__ import annotations
@@ -43,9 +45,9 @@ import torch
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.api.kv_frames import KVFrame, framed_kv_to_fill
 from prefixd.api.tensors import tensor_from_bytes
-from prefixd.api.tiers import Tier
+from prefixd.engine import kv_io
+from prefixd.engine.errors import SharedBlockError
 from prefixd.kernels import layer_kv, write_kv as write_layer_kv
-from prefixd.kernels.token_io import read_tokens
 from prefixd.daemon.attend_job import AttendJob
 from prefixd.daemon.status import RpcFailure, exhausted, invalid, not_found, precondition
 
@@ -72,30 +74,21 @@ def owned_sequence(session, seq_id: int):
 
 
 def check_range(seq, start: int, n: int) -> None:
-    """INVALID_ARGUMENT unless tokens ``start .. start + n`` lie within ``seq``."""
-    if start + n > seq.num_tokens:
-        raise invalid(f"tokens {start}..{start + n} are past the end of sequence {seq.id} "
-                      f"({seq.num_tokens} tokens): Extend it first, or ask for less")
+    """INVALID_ARGUMENT unless tokens ``start .. start + n`` lie within ``seq`` (the engine's
+    rule, ``kv_io.check_range``)."""
+    try:
+        kv_io.check_range(seq, start, n)
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
 
 
 def check_private(pool, seq, start: int, n: int) -> None:
     """FAILED_PRECONDITION unless every block that tokens ``start .. start + n`` touch is
-    private to ``seq`` (not indexed, not a tail shared with forked siblings)."""
-    if not n:
-        return
-    bs = pool.layout.block_size
-    mine = pool.cache.private_blocks(seq.id)
-    first, last = start // bs, (start + n - 1) // bs
-    if mine.start <= first and last < mine.stop:
-        return
-    b = first if first < mine.start else last
-    why = ("indexed (committed: other prompts may be reading it)" if b < seq.num_indexed
-           else "a partial last block shared with forked siblings (Extend the sequence first: "
-                "that copies it)")
-    lo, hi = mine.start * bs, min(mine.stop * bs, seq.num_tokens)
-    may = f"only tokens {lo}..{hi} of it may be written" if hi > lo else "none of its tokens may be written"
-    raise precondition(f"sequence {seq.id}: tokens {start}..{start + n} reach block {b}, which is "
-                       f"{why}; its KV cannot change: {may}")
+    private to ``seq`` (the engine's rule, ``PoolKV.check_writable``)."""
+    try:
+        pool.kv.check_writable(seq, start, n)
+    except SharedBlockError as exc:
+        raise precondition(str(exc)) from None
 
 
 def token_bytes(layout) -> int:
@@ -217,7 +210,8 @@ _READ_REPLY_CHUNK = pb.ReadKVReply.DESCRIPTOR.fields_by_name["chunk"].number
 
 def _read_chunks(session, seq_id: int, start: int, n: int, per: int) -> Iterator[bytes]:
     layout = session.layout
-    pool = session.pool.store.pool(Tier.DEVICE).tensor
+    pool_kv = session.pool.kv
+    dtype = pool_kv.device_tensor.dtype
     end = start + n
     at = start
     while True:
@@ -228,8 +222,8 @@ def _read_chunks(session, seq_id: int, start: int, n: int, per: int) -> Iterator
         check_range(seq, at, k)
         # the KV gathered straight into an encoded ReadKVReply (handlers pass bytes on as they are)
         reply, kv = framed_kv_to_fill(b"", _READ_REPLY_CHUNK, seq_id, at, (
-            layout.num_layers, 2, k, layout.num_kv_heads, layout.head_dim), pool.dtype)
-        read_tokens(pool, seq.block_table, at, k, layout.block_size, kv)
+            layout.num_layers, 2, k, layout.num_kv_heads, layout.head_dim), dtype)
+        pool_kv.read(seq, at, k, kv)
         del kv
         yield reply
         at += k
@@ -351,13 +345,12 @@ def prepare_attend(session, request: pb.AttendRequest, max_bytes: int) -> Attend
         for seq, n in zip(seqs, counts):
             check_private(pool, seq, seq.num_tokens - n, n)
 
-    device_pool = pool.store.pool(Tier.DEVICE).tensor
+    device_pool = pool.kv.device_tensor
     device = device_pool.device
     k_cache, v_cache = layer_kv(device_pool, request.layer)
-    bs = layout.block_size
     if has_k:
-        slots = [seq.block_table[p // bs] * bs + p % bs
-                 for seq, n in zip(seqs, counts) for p in range(seq.num_tokens - n, seq.num_tokens)]
+        slots = [slot for seq, n in zip(seqs, counts)
+                 for slot in pool.kv.token_slots(seq, seq.num_tokens - n, n)]
         write_layer_kv(new_k.to(device), new_v.to(device), k_cache, v_cache,
                        torch.tensor(slots, dtype=torch.int64, device=device))
     width = max(len(seq.block_table) for seq in seqs)

@@ -4,8 +4,8 @@ Each handler runs on the event loop that owns the engine and calls the engine di
 calls take microseconds and never wait for an fsync). A commit's acknowledgment waits for its
 ticket with ``ack_wait.durable``: the loop serves other calls meanwhile, so commits of many
 clients share WAL groups. The KV data path (WriteKV, ReadKV, Attend) is ``kv_rpc``; the daemon's
-own rpcs (Stats, SubscribeEvents, Status, Checkpoint) are ``admin_rpc.AdminRpcs``, a mixin of
-the servicer; the call wrapper ``rpc`` is ``rpc_call``.
+own rpcs (Stats, SubscribeEvents, Status, Checkpoint) are ``admin_rpc.AdminRpcs``, a part the
+servicer holds and delegates to; the call wrapper ``rpc`` is ``rpc_call``.
 
 Every failure is answered with a status (``status.status_of``): no request, however malformed,
 raises out of a handler, and a refused call changes nothing.
@@ -24,6 +24,7 @@ import grpc
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.api import prefixd_pb2_grpc as pb_grpc
 from prefixd.api.layout import KVLayout, as_token_bytes
+from prefixd.daemon import admission
 from prefixd.daemon.ack_wait import durable
 from prefixd.daemon.admin_rpc import AdminRpcs
 from prefixd.daemon import kv_rpc
@@ -96,13 +97,30 @@ async def _same_session(first, stream, session_id: int):
         yield chunk
 
 
-class PrefixCacheService(AdminRpcs, pb_grpc.PrefixCacheServicer):
+class PrefixCacheService(pb_grpc.PrefixCacheServicer):
     """The servicer of ``tenant``'s socket. Every session it makes is stamped with ``tenant``,
-    and every call finds sessions of ``tenant`` only."""
+    and every call finds sessions of ``tenant`` only. The daemon's own rpcs are its ``admin``
+    part's (``admin_rpc.AdminRpcs``)."""
 
     def __init__(self, core: DaemonCore, tenant: str) -> None:
         self.core = core
         self.tenant = tenant
+        self.admin = AdminRpcs(core, tenant, self._session)
+
+    # -- the daemon's own rpcs: the admin part's (each already wears ``rpc``) ----------------------
+
+    async def Stats(self, request, context):
+        return await self.admin.Stats(request, context)
+
+    async def SubscribeEvents(self, request, context):
+        async for event in self.admin.SubscribeEvents(request, context):
+            yield event
+
+    async def Status(self, request, context):
+        return await self.admin.Status(request, context)
+
+    async def Checkpoint(self, request, context):
+        return await self.admin.Checkpoint(request, context)
 
     def _session(self, session_id: int) -> Session:
         session = self.core.sessions.get(session_id, self.tenant)
@@ -136,6 +154,7 @@ class PrefixCacheService(AdminRpcs, pb_grpc.PrefixCacheServicer):
     async def Attach(self, request, context):
         layout = layout_of(request.layout)
         name = request.client_name[:128] or "unnamed"
+        admission.check_attach(self.core.engine_config, self.tenant, layout, request.max_model_len)
         pool = self._pool(layout)
         session = self.core.sessions.attach(self.tenant, name, layout, pool)
         return pb.AttachReply(session_id=session.id, lease_s=self.core.config.lease_s,
@@ -199,6 +218,11 @@ class PrefixCacheService(AdminRpcs, pb_grpc.PrefixCacheServicer):
                 out.seq_id = seq.id
                 out.block_table = table_bytes(seq.block_table)
                 out.tokens = bytes(seq.tokens)
+        # NOTE: answered once the reopen's records (the sequences now in this session) are
+        # durable: from the reply on the client reclaims from this session only, and a kill
+        # before those records were written brought the sequences back under the old one,
+        # which it no longer asks for (tests/crash/test_reclaim_durable.py).
+        await durable(session.pool.flush())
         return reply
 
     # -- sequences -----------------------------------------------------------------------------

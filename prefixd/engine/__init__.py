@@ -3,9 +3,12 @@ together (DESIGN.md "The parts").
 
 Modules, one concept each: ``engine`` (``Engine``: every pool, tenant x layout, of one state
 directory behind one lock), ``durable`` (``DurableCache``: one pool's operations and the write
-order), ``recovery`` (opening a state directory), ``replay`` (the log tail onto the tree),
-``reconcile`` (what a restart drops), ``snapshot`` (the tree as checkpoint values), ``records``
-(cache events as WAL records), ``live_settings`` (a reload's settings applied), ``errors``.
+order), ``upkeep`` (the pool's log step and the work that follows it: quarantine release,
+headroom, spill, checkpoint),
+``recovery`` (what a pool is rebuilt from: ``recover`` returns ``Recovered``), ``replay`` (the
+log tail onto the tree), ``reconcile`` (what a restart drops), ``checkpoint`` (the tree as
+checkpoint values, and when one is due), ``kv_io`` (a pool's KV by token: the rules and the
+copies), ``records`` (cache events as WAL records), ``errors``.
 
 Its settings are ``prefixd.config``'s (``EngineConfig``, re-exported here with ``Tenant``,
 ``TierSizes`` and ``ConfigError`` because an engine is built with them).

@@ -61,7 +61,7 @@ from prefixd.cache.errors import OutOfBlocks
 from prefixd.cache.hashing import chain_hashes, namespace_hash, root_hash
 from prefixd.cache.node import DEVICE, attached, path_to
 from prefixd.engine.cluster_writer import ClusterWriter
-from prefixd.storage.remote import RemoteBlock, RemoteStore  # imports redis: see durable.py
+from prefixd.storage.cluster import ClusterBlock, ClusterStore  # imports redis: see durable.py
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +99,9 @@ def _device_only(tiering):
         tiering.write_policy = policy
 
 
-def connect(config, namespace: bytes) -> RemoteStore:
-    """The ``RemoteStore`` of ``config`` under ``namespace``."""
-    return RemoteStore(config.nodes, namespace, timeout_s=config.timeout_ms / 1000.0,
+def connect(config, namespace: bytes) -> ClusterStore:
+    """The ``ClusterStore`` of ``config`` under ``namespace``."""
+    return ClusterStore(config.nodes, namespace, timeout_s=config.timeout_ms / 1000.0,
                        connect_timeout_s=config.connect_timeout_ms / 1000.0,
                        retry_after_s=config.retry_after_s)
 
@@ -178,7 +178,7 @@ class ClusterTier:
 
         NOTE: counted by the commit's return value, not found among the cache's pending
         ``BlocksStored`` events: a commit whose write-through ran short of quarantined slots
-        logs (drains) the events inside the commit (``_force_reclaim``)."""
+        logs (drains) the events inside the commit (``Upkeep.force_release``)."""
         if not added or self.min_hits or (self.config.write_policy == "power"
                                           and durability != "power"):
             return
@@ -214,7 +214,7 @@ class ClusterTier:
         kv = self._read(slots)
         out = []
         for i in range(first, end):
-            out.append(RemoteBlock(hashes[i], hashes[i - 1] if i else parent,
+            out.append(ClusterBlock(hashes[i], hashes[i - 1] if i else parent,
                                    bytes(tokens[i * bb:(i + 1) * bb]), kv[i - first]))
         self.writer.offer(out)
 
@@ -357,7 +357,7 @@ class ClusterTier:
         ``promote_refused`` runs found but not indexed (no device room, a local block cut);
         ``offered_blocks`` / ``dropped_blocks`` / ``written_blocks`` / ``write_errors`` the
         write-behind (``ClusterWriter``); ``remote_<name>`` the store's own
-        (``RemoteStore.stats``: hits, misses, corrupt, timeouts, skipped_down, ...)."""
+        (``ClusterStore.stats``: hits, misses, corrupt, timeouts, skipped_down, ...)."""
         w = self.writer
         out = {"fetches": self.fetches, "fetch_errors": self.fetch_errors,
                "remote_hit_blocks": self.remote_hit_blocks,

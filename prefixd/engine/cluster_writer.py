@@ -1,7 +1,7 @@
 """``ClusterWriter``: the cluster tier's write-behind queue and the one thread that drains it.
 
 The engine thread ``offer``s blocks (their KV bytes already copied out of the pool); the
-writer thread takes up to ``batch_blocks`` at a time and hands them to the remote store's
+writer thread takes up to ``batch_blocks`` at a time and hands them to the cluster store's
 pipelined ``put``. The queue is bounded in bytes: when an offer does not fit it is dropped
 whole and counted (``dropped_blocks``), so the engine thread never waits for the cluster.
 """
@@ -19,7 +19,7 @@ JOIN_TIMEOUT_S = 5.0
 
 
 class ClusterWriter:
-    """A bounded FIFO of ``RemoteBlock``s and the thread that writes them to ``store``.
+    """A bounded FIFO of ``ClusterBlock``s and the thread that writes them to ``store``.
 
     Args:
         store: has ``put(blocks) -> int`` (blocks written; it never raises on a cluster

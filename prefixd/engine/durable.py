@@ -5,45 +5,60 @@ host (and, without a GPU, the device) tier. Every operation runs the cache core,
 events it produced, in order, through ``OrderedLog``; a commit returns a ticket (a
 ``concurrent.futures.Future``) that resolves once it is as durable as asked: no call waits for
 an fsync. Opening the state directory recovers: checkpoint, log tail, reconciliation (see
-``prefixd.engine.replay``), then a RECOVER record. The write order lives in ``_make_durable``.
+``prefixd.engine.recovery``), then a RECOVER record. The write order lives in ``_make_durable``.
+
+Composed of: the ``Recovered`` value ``recover`` returns (the cache core, its tiers, the
+recovered sequences), assigned by ``__init__``; the WAL and its ``OrderedLog``; and the
+``Upkeep`` (``prefixd.engine.upkeep``), which owns the event path into the log and the work that
+follows each step (quarantine release, headroom, spill, the checkpoint trigger).
 
 Not thread-safe: one caller at a time (the daemon serializes cache operations on one thread).
 Internal threads: the WAL's committer, the disk writer and the disk sync thread; tickets
-resolve on them, so a ticket's callbacks must not call back into the cache (an asyncio loop
-uses ``asyncio.wrap_future``, which hands the result to the loop's own thread).
+resolve on them, so a ticket's callbacks must not call back into the cache (the daemon's
+``prefixd.daemon.ack_wait.durable`` hands the result to the loop's own thread with
+``call_soon_threadsafe``).
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import operator
 import os
 import time
 from concurrent.futures import Future
 
 from prefixd.api.layout import KVLayout
-from prefixd.engine import kv_io, reclaim
-from prefixd.engine.background import TICK_PERIOD_S, BackgroundWork, poison_on_storage_error
+from prefixd.engine import reclaim
+from prefixd.engine.checkpoint import CheckpointTrigger
+from prefixd.engine.kv_io import PoolKV
 from prefixd.engine.reclaim import Reclaimed
 from prefixd.engine.errors import DurabilityError
 from prefixd.cache.node import DISK, HOST
 from prefixd.engine.ordered_log import OrderedLog
 from prefixd.wal.tickets import DONE_NONE, done, failed
-from prefixd.engine.quarantine import Quarantine
-from prefixd.engine.records import CHECKPOINT_BLOCKS, scan_events
+from prefixd.engine.records import CHECKPOINT_BLOCKS
 from prefixd.engine.recovery import recover
+from prefixd.engine.upkeep import TICK_PERIOD_S, Upkeep, poison_on_storage_error
 from prefixd.crashpoints import crash_point
-from prefixd.api.tiers import Tier
 from prefixd.wal import Wal
 
 log = logging.getLogger(__name__)
 
 DURABILITY = ("index", "crash", "power")
-# TICK_PERIOD_S lives in ``background`` with ``tick``; re-exported here, its import path since issue 11
+# TICK_PERIOD_S lives in ``upkeep`` with ``tick``; re-exported here, where the daemon imports it
 __all__ = ["DURABILITY", "TICK_PERIOD_S", "DurableCache", "Reclaimed"]
 
 
-class DurableCache(BackgroundWork):
+def _delegated(part: str, name: str, doc: str) -> property:
+    """A settable attribute of the pool that lives in one of its parts (``part``: a dotted
+    path of attributes from the pool)."""
+    get_part = operator.attrgetter(part)
+    return property(lambda self: getattr(get_part(self), name),
+                    lambda self, value: setattr(get_part(self), name, value), doc=doc)
+
+
+class DurableCache:
     """A crash-safe prefix cache over one state directory.
 
     Args:
@@ -96,21 +111,13 @@ class DurableCache(BackgroundWork):
         t0 = time.perf_counter()
         self.layout = layout
         self.state_dir = state_dir
-        self.checkpoint_records = checkpoint_records
-        self.checkpoint_blocks = checkpoint_blocks
-        self._tail_blocks = 0  # ``Scan.blocks`` of the records since the last checkpoint
         self.spill_blocks = spill_blocks
         self.forget_missing_tier = forget_missing_tier
         self.progress = progress  # a ``RecoveryProgress`` to count replayed records into, or None
-        # called with each drained batch of cache events once they are logged (the daemon's
-        # KV-event journal); must be O(events) and must not raise
-        self.event_listener = None
         self.cluster = None  # a ``ClusterTier`` once recovered, if configured
         os.makedirs(state_dir, exist_ok=True)
-        phases = {}
         self.wal = Wal(state_dir, layouts=layout.to_bytes(), sync=sync, interval_ms=sync_interval_ms)
         self._order = OrderedLog(self.wal)
-        self._quarantine = Quarantine(None, self._order, spill_blocks)  # the real one once recovered
         try:
             # NOTE: recovery allocates millions of objects that all stay alive; the collector
             # would walk them again and again for nothing (measured: a third of a 1M-block
@@ -118,12 +125,29 @@ class DurableCache(BackgroundWork):
             gc_was_enabled = gc.isenabled()
             gc.disable()
             try:
-                recover(self, layout, num_blocks, tenant_salt, write_policy, policy, verify,
-                        shm_dir, reclaim_grace_s, use_cuda, phases, t0)
+                rec = recover(self.wal, state_dir, layout, sizes, tenant_salt=tenant_salt,
+                              write_policy=write_policy, policy=policy, verify=verify,
+                              shm_dir=shm_dir, use_cuda=use_cuda,
+                              forget_missing_tier=forget_missing_tier, progress=progress, t0=t0)
+                self.cache, self.store = rec.cache, rec.store
+                self.kv = PoolKV(self.cache, self.store, layout)  # the KV API (``kv_io``)
+                self.recovered = rec.recovered  # seq id -> ``RecoveredSeq``, waiting for reclaim
+                self._sessions: dict[int, int] = {}  # live seq id -> session id
+                self.upkeep = Upkeep(self.cache, self.store, self.wal, self._order, self._sessions,
+                                     self.recovered, spill_blocks=spill_blocks,
+                                     trigger=CheckpointTrigger(checkpoint_records, checkpoint_blocks))
+                self.cache.on_deferred_shortage = self.upkeep.force_release
+                try:
+                    self.upkeep.open_epoch(rec)
+                except BaseException:  # close what recovery opened, as a failed recovery does
+                    rec.abandon()
+                    raise
             finally:
                 if gc_was_enabled:
                     gc.enable()
-            self._serve_setup()
+            self._reclaim_deadline = time.monotonic() + reclaim_grace_s
+            self.recovery = rec.ready(state_dir, self.wal.open_epoch(), t0)  # phase timings and counts
+            self.store.write_behind = True  # from now on, disk writes go behind the caller
             if cluster is not None:  # imported only then: no redis, no thread without a cluster
                 from prefixd.engine.cluster_tier import ClusterTier
 
@@ -131,6 +155,21 @@ class DurableCache(BackgroundWork):
         except BaseException:
             self.wal.close()
             raise
+
+    # -- settings and counters of the pool's parts --------------------------------------------
+
+    checkpoint_records = _delegated(
+        "upkeep.trigger", "records", "Fold the log into a checkpoint after this many records (settable).")
+    checkpoint_blocks = _delegated(
+        "upkeep.trigger", "blocks", "... or once replaying the tail would decode this many blocks (settable).")
+    event_listener = _delegated(
+        "upkeep", "event_listener", "Called with each drained batch of cache events once they are "
+        "logged (the daemon's KV-event journal); O(events), must not raise. None: nobody listens.")
+
+    @property
+    def forced_releases(self) -> int:
+        """How often a tier short only of quarantined slots made the serving thread wait."""
+        return self.upkeep.quarantine.num_forced
 
     # -- operations --------------------------------------------------------------------------
 
@@ -165,7 +204,7 @@ class DurableCache(BackgroundWork):
     def flush(self) -> Future:
         """A ticket resolved (``None``) once every change made so far is durable in the log
         (disk barriers included); fails with ``WalFailedError``. Never waits itself."""
-        return self._order.ticket(self._submit_events(), None)
+        return self._order.ticket(self.upkeep.submit(), None)
 
     def lookup(self, tokens, extra: bytes = b""):
         """How many tokens of ``tokens`` are cached, without pinning anything
@@ -179,9 +218,9 @@ class DurableCache(BackgroundWork):
 
     def write_kv(self, seq, start: int, kv) -> None:
         """Write ``kv`` (``[num_layers, 2, n, num_kv_heads, head_dim]``) as the KV of tokens
-        ``start .. start + n`` of a live sequence (or id); see ``prefixd.engine.kv_io.write_kv``
-        (only blocks the sequence owns alone: ``SharedBlockError`` otherwise)."""
-        kv_io.write_kv(self.cache, self.store.pool(Tier.DEVICE).tensor, self.layout, seq, start, kv)
+        ``start .. start + n`` of a live sequence (or id); see ``PoolKV.write`` (only blocks the
+        sequence owns alone: ``SharedBlockError`` otherwise)."""
+        self.kv.write(seq, start, kv)
 
     def read_kv(self, seq, start: int, n: int):
         """The KV of tokens ``start .. start + n`` of a live sequence, as a new tensor
@@ -190,7 +229,7 @@ class DurableCache(BackgroundWork):
         Raises:
             UnknownSequence; ValueError: tokens past the sequence's end.
         """
-        return kv_io.read_kv(self.cache, self.store.pool(Tier.DEVICE).tensor, seq, start, n)
+        return self.kv.read(seq, start, n)
 
     @poison_on_storage_error
     def commit(self, seq_id: int, durability: str = "crash") -> Future:
@@ -198,8 +237,10 @@ class DurableCache(BackgroundWork):
 
         Never waits for an fsync. The ticket is a ``concurrent.futures.Future`` resolved with the
         number of blocks that entered the index once they are as durable as asked (already done
-        at ``index``). An asyncio loop awaits it with ``await asyncio.wrap_future(ticket)`` (a
-        done-callback wakes the loop: no thread per waiter). Until it resolves, nothing about
+        at ``index``). An asyncio loop awaits it through a done-callback that settles a loop
+        future with ``call_soon_threadsafe`` (``prefixd.daemon.ack_wait.durable``: no thread per
+        waiter); never ``asyncio.wrap_future``, which cancels the ticket when the awaiting task is
+        cancelled. Until it resolves, nothing about
         this commit may be acknowledged to anyone.
 
         Raises (at once, nothing indexed): UnknownSequence, ValueError (bad durability),
@@ -258,7 +299,8 @@ class DurableCache(BackgroundWork):
            appended in order.
         5. The ticket resolves once the WAL group holding this commit's last record is
            committed and fsynced; only then may the commit be acknowledged. Slots freed by
-           evictions on the way become reusable once their records are durable (``_reclaim``).
+           evictions on the way become reusable once their records are durable
+           (``Upkeep.release_durable``).
 
         Returns the ticket, resolved with ``value``.
 
@@ -295,50 +337,38 @@ class DurableCache(BackgroundWork):
                                f"no room in the {'disk' if want == DISK else 'host'} tier")
 
     def _log(self, session_id: int = 0, keep_headroom: bool = True) -> int:
-        """Drain the cache's events into the ordered queue; then the periodic work (release
-        durable quarantine, keep headroom, spill, checkpoint). Returns the position of the
-        last record this call logged (before any spill it started).
+        """The log step (``Upkeep.log_step``): drain the cache's events into the ordered
+        queue, then the periodic work. Returns the position of the last record this call
+        logged. ``open`` passes ``keep_headroom=False`` (see ``Upkeep.log_step``'s NOTE)."""
+        return self.upkeep.log_step(session_id, keep_headroom)
 
-        NOTE: ``open`` passes ``keep_headroom=False``: evicting ahead there cascades a whole
-        radix node down a tier (a 128-block run: 47 MB into the disk file) on the time to first
-        token, while the client computes its prefill between ``open`` and ``commit``. The
-        next log step or ``tick`` keeps the headroom instead (cluster bench: an open that
-        promoted 2k tokens went from 135 to 84 ms)."""
-        pos = self._submit_events(session_id)
-        quarantine = self._quarantine
-        quarantine.release_durable()
-        if keep_headroom:
-            self._keep_headroom()
-        if self.cache.tiering.pending_disk_blocks >= self.spill_blocks:
-            self.spill()
-        if self._since_checkpoint >= self.checkpoint_records or self._tail_blocks >= self.checkpoint_blocks:
-            self.checkpoint()
-        return pos
+    # -- periodic work -------------------------------------------------------------------------
 
-    def _submit_events(self, session_id: int = 0) -> int:
-        """The events as records, in order, into ``OrderedLog``; the quarantine batch they
-        freed is sealed with their last position. A move to disk makes the batch a barrier
-        behind the disk pool's fdatasync (``TierStore.sync_async``)."""
-        order = self._order
-        events = self.cache.drain_events()
-        if not events:
-            return order.position
-        if self.wal.failure is not None:  # no more fdatasyncs: nothing will be acknowledged
-            raise self.wal.failure
-        at, blocks = scan_events(events)
-        barrier = self.store.sync_async(DISK) if at >= 0 else None  # the int: see TierStore.copy
-        pos = order.submit(events, session_id, barrier, at)
-        self._quarantine.seal(pos)
-        if self.event_listener is not None:
-            self.event_listener(events)
-        self._since_checkpoint += len(events)
-        self._tail_blocks += blocks
-        return pos
+    def spill(self) -> int:
+        """Write-through to disk for the runs waiting for it (``Upkeep.spill``)."""
+        return self.upkeep.spill()
 
-    def _serve_setup(self) -> None:
-        """After recovery: disk writes behind the caller, and the quarantine bookkeeping."""
-        self.store.write_behind = True
-        self._quarantine = Quarantine(self.cache, self._order, self.spill_blocks)
+    def tick(self) -> None:
+        """Periodic work the daemon's loop calls about every 100 ms (``TICK_PERIOD_S``): write
+        down runs promoted from the cluster, spill write-through runs waiting for disk (else
+        they wait for ``spill_blocks`` of them), keep the headroom an ``open`` left
+        (``Upkeep.tick``), and release unclaimed recovered sequences (which every mutating call
+        also does)."""
+        if self.cluster is not None:
+            self._write_down_promoted()
+        self.upkeep.tick()
+        self._expire_if_due()
+
+    @poison_on_storage_error
+    def _write_down_promoted(self) -> None:
+        """Runs promoted from the cluster were indexed at the device alone (``ClusterTier.tick``)."""
+        if self.cluster.tick():
+            self._log()
+
+    def checkpoint(self) -> int:
+        """Fold the log into a checkpoint of the current state (``Upkeep.checkpoint``);
+        returns its lsn. Runs on the caller's thread; waits for held records and the write."""
+        return self.upkeep.checkpoint()
 
     # -- recovered sequences -------------------------------------------------------------------
 
@@ -376,7 +406,7 @@ class DurableCache(BackgroundWork):
             self.cluster.close()  # drops what is still queued for the cluster
         try:
             if self.wal.failure is None:  # a failed log was reported to every ticket already
-                self._settle()
+                self.upkeep.settle()
         finally:
             try:
                 self.wal.close()
@@ -393,7 +423,7 @@ class DurableCache(BackgroundWork):
         self.cache.check_invariants([r.node for r in self.recovered.values()])
         self.wal.check_invariants()
         self._order.check_invariants()
-        self._quarantine.check_invariants()
+        self.upkeep.check_invariants()
         if self.cluster is not None:
             self.cluster.check_invariants()
         assert self.recovery["device_runs_missed"] == 0, "replay missed device runs (see Replayer.restart)"

@@ -10,7 +10,7 @@ step and tick: a deque peek per tier when there is nothing to do.
 
 Headroom: freed slots come back one fsync (and maybe one disk barrier) later, so a tier under
 steady eviction would find only quarantined slots at its next allocation and force the log
-(``DurableCache._force_reclaim``, the one wait for the disk on the serving thread). Each force
+(``Upkeep.force_release``, the one wait for the disk on the serving thread). Each force
 raises the tier's headroom: every log step then keeps that many free or quarantined slots by
 evicting ahead, as kswapd keeps free pages.
 
@@ -90,7 +90,7 @@ class Quarantine:
     def after_force(self) -> None:
         """The log was made durable by force: release everything, raise the headroom."""
         for k, alloc in enumerate(self.allocs):
-            alloc.reclaim_deferred()
+            alloc.release_all_deferred()
             self.headroom[k] = min(max(2 * self.headroom[k], self._first), self.caps[k])
         self.num_forced += 1
         log.debug("quarantine forced headroom=%s", self.headroom)

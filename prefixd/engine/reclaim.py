@@ -2,10 +2,11 @@
 
 Recovery cuts each live sequence back to its surviving blocks and holds a lock on its deepest
 node (``RecoveredSeq``, in ``DurableCache.recovered``) for ``reclaim_grace_s``. A client that
-comes back reclaims them: each is reopened through the normal open path (promotion included)
-and the client learns the surviving length. Unclaimed ones are released when the grace ends;
-their committed blocks stay cached. Both go through the cache's event path, so they are logged
-like any other release.
+comes back reclaims them: each is reopened under its own id through the normal open path
+(promotion included), and the client learns the surviving length; its OPEN record, naming the
+reclaiming session, supersedes the recovered sequence in the log. Unclaimed ones are released
+when the grace ends; their committed blocks stay cached. Both go through the cache's event
+path, so they are logged like any other open or release.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ def expire(cache, recovered: dict) -> int:
 
 
 def reopen(cache, recovered: dict, session_id: int) -> Iterator[Reclaimed]:
-    """Reopen the recovered sequences of ``session_id`` one at a time, yielding each after its
-    OPEN and its old id's release are events (the caller logs them before the next one).
+    """Reopen the recovered sequences of ``session_id`` one at a time, each under its own id,
+    yielding each once its OPEN (or, when nothing survived, its release) is an event (the
+    caller logs it before the next one).
 
     Raises:
         OutOfBlocks: no device room to reopen one; it stays recovered (and locked) for a
@@ -59,8 +61,14 @@ def reopen(cache, recovered: dict, session_id: int) -> Iterator[Reclaimed]:
     """
     for old_id in [k for k, r in recovered.items() if r.session_id == session_id]:
         rec = recovered[old_id]
-        tokens = b"".join(n.tokens for n in path_to(rec.node))
-        seq = cache.open(tokens, rec.extra, full_match=True) if tokens else None
+        if rec.node.parent is None:  # nothing survived
+            del recovered[old_id]
+            cache.release_recovered(old_id, rec.node)  # a SeqReleased event
+            yield Reclaimed(old_id, None, 0)
+            continue
+        # NOTE: under its own id, so that a Reclaim cut by another restart after its records
+        # were durable (the sequence is then recovered under the new session, which the
+        # client never adopted) is reclaimed from that session by the id the client holds.
+        seq = cache.reopen_recovered(old_id, rec.node, rec.extra)
         del recovered[old_id]
-        cache.release_recovered(old_id, rec.node)  # a SeqReleased event, after the OPEN
-        yield Reclaimed(old_id, seq, seq.cached_tokens if seq else 0)
+        yield Reclaimed(old_id, seq, seq.cached_tokens)

@@ -5,7 +5,8 @@ pool dies with the process); host residency too unless the host pool survived (s
 runs resident nowhere are forgotten, children before parents, so that a run is forgotten only
 once nothing below it needs it (``RadixTree.unplace``: the bookkeeping live operations use,
 without the queues). Sequences move to their deepest surviving node. Eviction queues and
-allocators are rebuilt by the caller afterwards (``RadixTree.rebuild_queues``).
+allocators are rebuilt by the caller afterwards (``RadixTree.rebuild_queues``). A tier whose
+pool file was lost is dropped the same way (``forget_tier``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,16 @@ def reconcile(tree, *, keep_host: bool, seqs: dict, forget: Callable[[Node], Non
     for seq in seqs.values():
         seq[1] = surviving(seq[1])
     return forgotten
+
+
+def forget_tier(tree, tier: int, seqs: dict) -> None:
+    """Drop ``tier``'s residency from every run (its pool file is gone): runs resident nowhere
+    else are forgotten, children first; sequences move to their deepest survivor."""
+    for node in reversed(list(tree.nodes())):  # children before their parents
+        if node.slots[tier] is not None:
+            tree.unplace(node, tier)
+    for seq in seqs.values():
+        seq[1] = surviving(seq[1])
 
 
 def shallow_first(nodes: Iterable[Node]) -> list[Node]:

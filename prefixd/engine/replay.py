@@ -83,7 +83,7 @@ class Replayer:
     def use_checkpoint(self, nodes: list[Node], hash_lo: np.ndarray) -> None:
         """Index the checkpoint's runs by their first and last hash only; any other block of
         theirs is found through ``hash_lo`` (the first 8 bytes of every checkpoint block's
-        hash as u64, in node order, as ``snapshot.load`` returns them) when a record names it.
+        hash as u64, in node order, as ``checkpoint.load`` returns them) when a record names it.
         Call before the first record."""
         starts, total = [], 0
         for node in nodes:

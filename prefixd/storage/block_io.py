@@ -1,9 +1,9 @@
 """The bytes in and out of a ``TierStore`` by slot: ``read``, ``write``, ``checksum``, ``verify``.
 
-A mixin of ``TierStore`` (tier_store.py), apart from the movement between tiers: what tests,
-the engine's KV path and recovery's checks use to see or set a block's bytes. It needs the
-store's ``layout``, ``pool()``, ``_check_range()`` and, for DISK, its writer, staging buffer and
-helper threads.
+A part of ``TierStore`` (tier_store.py), apart from the movement between tiers: what tests,
+the engine's KV path and recovery's checks use to see or set a block's bytes. The store hands
+it what it needs: the layout, how to find a tier's pool and check slots, and, for DISK, its
+writer, staging buffer and helper threads.
 """
 
 from __future__ import annotations
@@ -18,7 +18,26 @@ from prefixd.storage.pools import DiskPool, TensorPool
 
 
 class BlockIO:
-    """Slot-addressed reads, writes and checksums of one store's pools (see the module)."""
+    """Slot-addressed reads, writes and checksums of one store's pools (see the module).
+
+    Args:
+        layout: the store's ``KVLayout``.
+        pool: ``pool(tier)``: the store's pool of a tier. check_range: ``check_range(tier,
+            slots)``: raises ValueError unless every slot is in the tier's range.
+        writer, staging, helper: the store's ``DiskWriter``, ``Staging`` (None without a DISK
+            tier) and helper thread pool; a DISK access first waits for the writes queued
+            before it.
+
+    Holds no state of its own beyond these.
+    """
+
+    def __init__(self, layout, pool, check_range, writer, staging, helper) -> None:
+        self.layout = layout
+        self.pool = pool
+        self._check_range = check_range
+        self._writer = writer
+        self._staging = staging
+        self._helper = helper
 
     def read(self, tier: Tier, slots: Sequence[int]) -> torch.Tensor:
         """A copy of the blocks, ``[n, *layout.block_shape]``. DISK bytes are returned unchecked."""
@@ -60,20 +79,23 @@ class BlockIO:
         if isinstance(pool, DiskPool):
             self._writer.wait_written()
             return movement.read_from_disk(pool, slots, None, slots, None, self._staging, self._helper).checksums
-        rows = self._host_rows(pool, slots)
-        return checksum.checksum_rows(rows, self._row_slots(pool, slots))
+        rows = host_rows(pool, slots)
+        return checksum.checksum_rows(rows, row_slots(pool, slots))
 
     def verify(self, tier: Tier, slots: Sequence[int], checksums: Sequence[int]) -> list[bool]:
         """Per-block: do the blocks' current bytes match ``checksums``?"""
         return checksum.compare(self.checksum(tier, slots), checksums)
 
-    @staticmethod
-    def _host_rows(pool: TensorPool, slots: list):
-        if pool.rows is not None:
-            return pool.rows
-        idx = torch.tensor(slots, dtype=torch.long, device=pool.tensor.device)  # pragma: no cover - GPU
-        return pool.raw.index_select(0, idx).cpu().numpy()  # pragma: no cover - GPU
 
-    @staticmethod
-    def _row_slots(pool: TensorPool, slots: list) -> list[int]:
-        return slots if pool.rows is not None else list(range(len(slots)))
+def host_rows(pool: TensorPool, slots: list):
+    """The rows of ``slots`` as host memory: the pool's own mapping when it has one (a host or
+    CPU pool), else a copy (a GPU pool; then indexed ``0 .. len(slots)``: ``row_slots``)."""
+    if pool.rows is not None:
+        return pool.rows
+    idx = torch.tensor(slots, dtype=torch.long, device=pool.tensor.device)  # pragma: no cover - GPU
+    return pool.raw.index_select(0, idx).cpu().numpy()  # pragma: no cover - GPU
+
+
+def row_slots(pool: TensorPool, slots: list) -> list[int]:
+    """Where ``slots`` are in ``host_rows(pool, slots)``."""
+    return slots if pool.rows is not None else list(range(len(slots)))

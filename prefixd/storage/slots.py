@@ -23,7 +23,7 @@ class SlotAllocator:
     in quarantine (free before reuse). Quarantined slots are kept in batches: ``seal_deferred(mark)``
     closes the open batch with a mark that ascends (the engine's position of the last record that
     freed them), and ``release_deferred(upto)`` makes every sealed batch with ``mark <= upto``
-    allocatable, oldest first; ``reclaim_deferred()`` releases everything (the log was forced).
+    allocatable, oldest first; ``release_all_deferred()`` releases everything (the log was forced).
 
     Invariants (``check_invariants``):
         * every slot in ``[0, num_slots)`` is in exactly one of: free, deferred, used;
@@ -96,7 +96,7 @@ class SlotAllocator:
         self._free.extend(reversed(slots))
 
     def defer_free(self, slots: list[int]) -> None:
-        """Return slots that a durable record may still name; see ``reclaim_deferred``."""
+        """Return slots that a durable record may still name; see ``release_all_deferred``."""
         self._deferred.extend(slots)
 
     def seal_deferred(self, mark: int) -> None:
@@ -128,7 +128,7 @@ class SlotAllocator:
         self._num_sealed -= n
         return n
 
-    def reclaim_deferred(self) -> int:
+    def release_all_deferred(self) -> int:
         """Make every quarantined slot allocatable, sealed or not; returns how many."""
         n = self.num_deferred
         for _, slots in self._sealed:

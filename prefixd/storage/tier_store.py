@@ -41,7 +41,7 @@ from prefixd.api.layout import KVLayout
 from prefixd.api.tiers import DEVICE, DISK, Tier
 from prefixd.crashpoints import crash_point
 from prefixd.storage import checksum, movement
-from prefixd.storage.block_io import BlockIO
+from prefixd.storage.block_io import BlockIO, host_rows, row_slots
 from prefixd.storage.movement import CopyResult, Staging
 from prefixd.storage.pools import DiskPool, TensorPool
 from prefixd.storage.slots import SlotAllocator
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 __all__ = ["CopyResult", "Tier", "TierStore"]
 
 
-class TierStore(BlockIO):
+class TierStore:
     """The pools of one KV layout, one per present tier, with their slot allocators.
 
     Data structure: ``_pools[tier]`` is a ``TensorPool`` (DEVICE, HOST) or a ``DiskPool`` (DISK);
@@ -133,6 +133,8 @@ class TierStore(BlockIO):
         self.write_behind = False
         self._writer = DiskWriter(self._sync_disk, self._pools[Tier.DISK].path) if Tier.DISK in self._pools else None
         self._spill_buffers = SpillBuffers(layout.block_bytes) if self._writer is not None else None
+        # reads, writes and checksums by slot (``read``, ``write``, ``checksum``, ``verify``)
+        self.blocks = BlockIO(layout, self.pool, self._check_range, self._writer, self._staging, self._helper)
         log.info("tier store open name=%s blocks=%s block_bytes=%d", self.name,
                  {t.name: p.num_blocks for t, p in self._pools.items()}, layout.block_bytes)
 
@@ -143,6 +145,22 @@ class TierStore(BlockIO):
 
     def allocator(self, tier: Tier) -> SlotAllocator:
         return self._allocators[self._present(tier)]
+
+    def read(self, tier: Tier, slots: Sequence[int]) -> torch.Tensor:
+        """A copy of the blocks (``BlockIO.read``)."""
+        return self.blocks.read(tier, slots)
+
+    def write(self, tier: Tier, slots: Sequence[int], blocks: torch.Tensor) -> None:
+        """Overwrite the blocks at ``slots`` (``BlockIO.write``)."""
+        self.blocks.write(tier, slots, blocks)
+
+    def checksum(self, tier: Tier, slots: Sequence[int]) -> list[int]:
+        """Checksums of the blocks' current bytes (``BlockIO.checksum``)."""
+        return self.blocks.checksum(tier, slots)
+
+    def verify(self, tier: Tier, slots: Sequence[int], checksums: Sequence[int]) -> list[bool]:
+        """Per block: do its current bytes match ``checksums`` (``BlockIO.verify``)?"""
+        return self.blocks.verify(tier, slots, checksums)
 
     def pool(self, tier: Tier) -> TensorPool | DiskPool:
         pool = self._pools.get(tier)  # Tier is an IntEnum: a plain int finds it too
@@ -198,7 +216,7 @@ class TierStore(BlockIO):
             target = dst if isinstance(dst, DiskPool) else dst.raw
             result = movement.read_from_disk(src, src_slots, target, dst_slots, verify, self._staging, self._helper)
         elif isinstance(dst, DiskPool):
-            result = movement.write_to_disk(self._host_rows(src, src_slots), self._row_slots(src, src_slots),
+            result = movement.write_to_disk(host_rows(src, src_slots), row_slots(src, src_slots),
                                             dst, dst_slots, self._helper)
         else:
             result = movement.copy_tensors(src, src_slots, dst, dst_slots, self._helper,
@@ -240,8 +258,8 @@ class TierStore(BlockIO):
         if src.rows is not None:  # one gather into a reused buffer: the snapshot
             rows = self._spill_buffers.take(src.rows, src_slots)
             job = functools.partial(_write_then_give_back, self._spill_buffers, rows, disk, dst_slots)
-        else:  # pragma: no cover - a GPU source; _host_rows is already a copy
-            rows = self._host_rows(src, src_slots)
+        else:  # pragma: no cover - a GPU source; host_rows is already a copy
+            rows = host_rows(src, src_slots)
             job = functools.partial(movement.write_to_disk, rows, range(n), disk, dst_slots, None, False)
         sums = checksum.checksum_rows(rows, range(n))
         self._writer.submit(job, n * disk.block_bytes)

@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 from prefixd.crashpoints import crash_point
-from prefixd.wal.checkpoint import read_checkpoint, write_checkpoint
+from prefixd.wal.checkpoint_store import read_checkpoint, write_checkpoint
 from prefixd.wal.codec import Record
 from prefixd.wal.env import DEFAULT_MAP_SIZE, MAX_MAP_SIZE, WalEnv, is_open_here
 from prefixd.wal.errors import EnvAlreadyOpenError, WalClosedError, WalFailedError

@@ -181,9 +181,9 @@ def test_a_session_whose_keepalive_stops_ends(daemon):
     (every other call pings too, so the polling below does not hold it; the stream's end does)."""
     with pc.connect(daemon.socket, LAYOUT, reconnect=False) as s:
         deadline = time.monotonic() + LEASE_S
-        while not s._keepalive.replies and time.monotonic() < deadline:
+        while not s.attachment._keepalive.replies and time.monotonic() < deadline:
             time.sleep(0.05)  # the stream must be open before its end can end the session
-        s._stop_keepalive()
+        s.attachment._stop_keepalive()
         deadline = time.monotonic() + LEASE_S * 3
         with pytest.raises(pc.NotFound):
             while time.monotonic() < deadline:  # bounded: the session must end within this
@@ -195,7 +195,7 @@ def test_detach_releases_what_the_session_held(daemon):
     s = pc.connect(daemon.socket, LAYOUT)
     seqs = [s.open(prompt(9000 + 10 * i, 5)) for i in range(3)]
     s.release(seqs[0])
-    thread = s._keepalive._thread
+    thread = s.attachment._keepalive._thread
     assert s.close() == 2
     assert not thread.is_alive(), "the keep-alive thread ends with the session"
     assert all(q.released for q in seqs) and s.close() == 0

@@ -41,8 +41,8 @@ def test_after_kill9_sessions_reattach_and_reclaim_what_was_committed():
         w.write_kv(e, 0, kv(10, 3))
         w.commit(e)
         old_ids = m.id, r.id
-        r._keepalive._on_lost = lambda error: None
-        w._keepalive._on_lost = lambda error: None
+        r.attachment._keepalive._on_lost = lambda error: None
+        w.attachment._keepalive._on_lost = lambda error: None
         d.kill()
         with pytest.raises(pc.Unavailable, match="did not come back"):
             u.lookup(committed)  # a bounded backoff gives up while no daemon runs
@@ -76,7 +76,7 @@ def test_after_kill9_sessions_reattach_and_reclaim_what_was_committed():
 
         # A mapped store never talks to the daemon: the broken keep-alive must stop it, or it
         # lands through the old block table in slots the new daemon may have handed out.
-        assert w._keepalive.lost is not None and w.recoveries == 0
+        assert w.attachment._keepalive.lost is not None and w.recoveries == 0
         with pytest.raises(pc.DaemonRestarted):
             w.write_kv(e, 8, kv(2, 4))
         assert len(e) == 8 and w.recoveries == 1

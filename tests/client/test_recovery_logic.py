@@ -51,6 +51,7 @@ class FakeDaemon:
         self.fail = {}
         self.next_session = 100
         self.orphans = []
+        self.holding = None  # previous session -> what its Reclaim returns (None: seq 7 as 70)
 
     def _step(self, method, request):
         self.calls.append((method, request))
@@ -85,6 +86,8 @@ class FakeDaemon:
 
     def Reclaim(self, request, timeout=None):
         self._step("Reclaim", request)
+        if self.holding is not None:
+            return pb.ReclaimReply(sequences=self.holding.get(request.previous_session_id, []))
         return pb.ReclaimReply(sequences=[pb.ReclaimedSequence(previous_seq_id=7, seq_id=70, num_tokens=8,
                                                                block_table=pack_tokens([1, 2])),
                                           *self.orphans])
@@ -151,7 +154,8 @@ def test_an_error_of_the_call_itself_does_not_reattach(fake, tmp_path):
 
 def test_a_reclaim_cut_short_is_retried_with_the_session_of_before_the_restart(fake, tmp_path):
     """Bug it guards: a recovery that re-attached but lost its Reclaim to the daemon going down
-    again reclaimed, next time, the short-lived session in between: every sequence was lost."""
+    again reclaimed, next time, the short-lived session in between only: every sequence was
+    lost. (It reclaims that session too, after the one of before the restart.)"""
     with connect(tmp_path) as s:
         seq = s.open([1] * 10)
         fake.fail = {"Lookup": [UNAVAILABLE], "Stats": [GONE], "Reclaim": [UNAVAILABLE]}
@@ -159,8 +163,28 @@ def test_a_reclaim_cut_short_is_retried_with_the_session_of_before_the_restart(f
             s.lookup([1] * 10)
         fake.fail = {"Lookup": [GONE], "Stats": [GONE]}  # session 102 went down with the daemon
         assert s.lookup([1] * 10) == 8
-        assert [r.previous_session_id for r in fake.named("Reclaim")] == [101, 101]
+        assert [r.previous_session_id for r in fake.named("Reclaim")] == [101, 101, 102]
         assert seq.id == 70 and seq.reclaimed
+
+
+def test_a_reclaim_cut_after_it_moved_the_sequences_finds_them_in_the_cut_session(fake, tmp_path):
+    """Bug it guards: the daemon made a Reclaim durable (the sequences in the new session,
+    under their own ids) and went down before the reply reached the client; the next recovery
+    reclaimed only the session of before the first restart, found nothing, and the held
+    handle came back lost."""
+    with connect(tmp_path) as s:
+        seq = s.open([1] * 10)  # 7, in session 101
+        fake.fail = {"Lookup": [UNAVAILABLE], "Stats": [GONE], "Reclaim": [UNAVAILABLE]}
+        with pytest.raises(pc.Unavailable):
+            s.lookup([1] * 10)
+        # what the cut Reclaim did before the daemon went down: 7 is in session 102 now
+        fake.holding = {102: [pb.ReclaimedSequence(previous_seq_id=7, seq_id=7, num_tokens=8,
+                                                   block_table=pack_tokens([1, 2]))]}
+        fake.fail = {"Lookup": [GONE], "Stats": [GONE]}
+        assert s.lookup([1] * 10) == 8
+        assert [r.previous_session_id for r in fake.named("Reclaim")] == [101, 101, 102]
+        assert seq.id == 7 and seq.reclaimed and not seq.lost and seq.num_tokens == 8
+        s.check_invariants()
 
 
 def test_with_reconnect_off_failures_are_raised_as_they_are(fake, tmp_path):

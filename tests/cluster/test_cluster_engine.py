@@ -166,3 +166,33 @@ def test_a_restarted_engine_keeps_promoted_blocks_and_still_fetches(tmp_path, re
     finally:
         a.close()
         b.close()
+
+
+def test_a_promoting_open_with_every_master_frozen_is_a_miss_within_one_timeout(tmp_path, redis_cluster):
+    """Regression: the fetch behind a promoting open waited ``timeout_ms`` per frozen master,
+    in turn (3 x 500 ms). The bound allows half a timeout for a loaded host's scheduling,
+    where a second master's own timeout would add a whole one."""
+    cfg = config(tmp_path, redis_cluster.nodes, timeout_ms=1000, retry_after_s=60.0)
+    engines = [host(tmp_path, "a", cfg), host(tmp_path, "b", cfg)]
+    a, b = (e.pool("acme", LAYOUT) for e in engines)
+    try:
+        tokens = prompt(7)
+        serve(a, tokens)
+        assert a.cluster.drain()
+        assert served(b, prompt(8)) == (0, 0)  # b's connections and slot map, made while all is up
+        for i in range(3):
+            redis_cluster.pause(i)
+        try:
+            t0 = time.monotonic()
+            got = served(b, tokens)
+            elapsed = time.monotonic() - t0
+        finally:
+            for i in range(3):
+                redis_cluster.resume(i)
+            redis_cluster.wait_ok()
+        assert got == (0, 0)
+        assert elapsed < 1.5, f"a promoting open took {elapsed:.2f} s with timeout_ms=1000"
+        _check(a, b)
+    finally:
+        for e in engines:
+            e.close()

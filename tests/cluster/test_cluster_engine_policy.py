@@ -23,7 +23,7 @@ from tests.cluster.hosts import BS, LAYOUT, config, host, kv_of, prompt, serve, 
 
 
 class FakeStore:
-    """``RemoteStore``'s interface over a dict; ``gate`` (an Event) holds every ``put``."""
+    """``ClusterStore``'s interface over a dict; ``gate`` (an Event) holds every ``put``."""
 
     def __init__(self, values=None) -> None:
         self.values = {} if values is None else values
@@ -305,14 +305,14 @@ def test_the_cluster_table_round_trips_through_toml():
 def test_every_committed_block_is_offered_even_when_the_commit_forces_a_reclaim(tmp_path, fake):
     """Blocks to offer were found among the cache's pending BlocksStored events; a commit whose
     write-through ran short of quarantined host slots logs (drains) them inside the commit
-    (``_force_reclaim``), and its blocks were never written to the cluster."""
+    (``Upkeep.force_release``), and its blocks were never written to the cluster."""
     cfg = config(tmp_path, ["127.0.0.1:1"])
     engine = host(tmp_path, "a", dataclasses.replace(cfg, blocks=TierSizes(64, 24, 512)))
     try:
         dc = engine.pool("acme", LAYOUT)
         for seed in range(20, 40):
             serve(dc, prompt(seed))
-        assert dc.forced_reclaims > 0  # the case this is about did happen
+        assert dc.forced_releases > 0  # the case this is about did happen
         assert dc.cluster.drain()
         assert dc.cluster.stats()["offered_blocks"] == 200
         assert len(fake.values) == 200

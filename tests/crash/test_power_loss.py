@@ -107,7 +107,7 @@ def _stop_at_unsynced_moment(fs, child, rng: random.Random, *, tries: int = 100)
     blocks written but not yet fdatasync'd, LMDB pages written before its fdatasyncs); with
     ``sync=none`` they are the log's committed but never-fsynced groups. Even with
     ``sync=none``, prefixd fsyncs the log whenever it needs a slot in the allocators' quarantine
-    (``DurableCache._force_reclaim``), which with this workload's 24-block tiers happens about
+    (``Upkeep.force_release``), which with this workload's 24-block tiers happens about
     every other commit, so a cut at an arbitrary moment often finds nothing unsynced at all.
     LMDB's ``lock.mdb`` (mapped, never fsynced, so lost whole at every cut: harmless, it is
     rebuilt at open) holds `LMDB_LOCK_PAGES` dirty page all the time; it does not count.

@@ -1,6 +1,6 @@
 """A commit whose host write-through forces the log keeps its own COMMIT record.
 
-The forced reclaim (``DurableCache._force_reclaim``, the allocator's ``on_deferred_shortage``)
+The forced release (``Upkeep.force_release``, the allocator's ``on_deferred_shortage``)
 drains and logs the cache's events in the middle of ``PrefixCache._commit``. The commit used
 to append its ``SeqCommitted`` event to the list it had read before that drain, a list already
 logged: the record was lost while the ticket still resolved, so the client was told its commit
@@ -16,7 +16,7 @@ LAYOUT = tiny_layout(2)  # 2 tokens a block
 SIZES = (64, 24, 512)
 
 
-def test_held_commits_come_back_at_their_committed_length_after_forced_reclaims(tmp_path):
+def test_held_commits_come_back_at_their_committed_length_after_forced_releases(tmp_path):
     kw = {"shm_dir": str(tmp_path / "shm"), "reclaim_grace_s": 3600}
     (tmp_path / "shm").mkdir()
     dc = DurableCache(str(tmp_path / "state"), LAYOUT, SIZES, **kw)
@@ -32,7 +32,7 @@ def test_held_commits_come_back_at_their_committed_length_after_forced_reclaims(
                 dc.release(old)
                 del held[old]
             dc.check_invariants()
-        assert dc.forced_reclaims > 0  # the case this is about did happen
+        assert dc.forced_releases > 0  # the case this is about did happen
     finally:
         dc.close()
     dc = DurableCache(str(tmp_path / "state"), LAYOUT, SIZES, **kw)

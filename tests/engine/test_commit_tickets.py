@@ -145,7 +145,7 @@ def test_quarantined_slots_come_back_only_once_their_drop_is_durable(make, monke
 
 
 def test_a_tier_short_only_of_quarantined_slots_forces_the_log(make):
-    """``_force_reclaim`` stays for a shortage made only of quarantined slots: the commit
+    """``Upkeep.force_release`` stays for a shortage made only of quarantined slots: the commit
     still finds room (the old behaviour), and later ones keep headroom."""
     dc = make(sizes=(16, 4, 64))
     for i in range(6):
@@ -201,8 +201,8 @@ def test_open_leaves_the_headroom_to_the_next_call_or_tick(make, restorer):
         dc.release(seq.id)
     dc.flush().result()
     dc.tick()
-    quarantine = dc._quarantine
-    quarantine.headroom[quarantine.tiers.index(HOST)] = 4  # as forced reclaims would leave it
+    quarantine = dc.upkeep.quarantine
+    quarantine.headroom[quarantine.tiers.index(HOST)] = 4  # as forced releases would leave it
     assert host.num_free + host.num_deferred < 4, "the test needs a host tier below its headroom"
     seq = dc.open([7, 7, 7])
     assert host.num_free + host.num_deferred < 4, "open evicted ahead on the request's path"

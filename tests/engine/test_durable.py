@@ -124,6 +124,35 @@ def test_a_reclaimed_sequence_belongs_to_the_session_that_reclaimed_it(make):
     dc.close()
 
 
+def test_a_reclaimed_sequence_keeps_its_id_across_restarts(make):
+    """A Reclaim cut by a restart after its records were durable leaves the sequence under the
+    session that reclaimed it, which the client never adopted; the client reclaims that
+    session too, and can match what comes back to its handle only by the id it holds."""
+    dc = make()
+    tokens = [3, 3, 4, 4, 5, 5, 6]
+    seq = dc.open(tokens, session_id=7)
+    dc.commit(seq.id).result()
+    dc.close()
+    dc = make()
+    (got,) = dc.reclaim(7, 8)
+    assert got.old_id == got.seq.id == seq.id and got.num_tokens == 6
+    other = dc.open([9, 9, 1], session_id=8)
+    assert other.id > seq.id  # an id is never handed out twice
+    with pytest.raises(ValueError):
+        dc.cache.open([1, 1, 2], seq_id=other.id)  # live
+    with pytest.raises(ValueError):
+        dc.cache.open([1, 1, 2], seq_id=other.id + 10)  # never handed out
+    dc.check_invariants()
+    dc.flush().result()
+    dc.close()
+    dc = make()
+    assert dc.recovered[seq.id].session_id == 8 and dc.recovered[seq.id].num_tokens == 6
+    again = {r.old_id: r for r in dc.reclaim(8, 9)}
+    assert again[seq.id].seq.id == seq.id and again[seq.id].num_tokens == 6
+    dc.check_invariants()
+    dc.close()
+
+
 def test_unclaimed_recovered_sequences_are_released_after_the_grace_period(make):
     dc = make()
     seq = dc.open([1, 2, 3, 4, 5], session_id=3)
@@ -166,7 +195,7 @@ def test_evicted_lower_tier_slots_wait_for_the_log_before_reuse(make):
     dc.cache.evict(2, HOST)    # host -> disk: host slots quarantined
     assert dc.cache.allocators[HOST].num_deferred == 2
     dc.flush().result()
-    dc._reclaim()
+    dc.upkeep.release_durable()
     assert dc.cache.allocators[HOST].num_deferred == 0
     dc.check_invariants()
 

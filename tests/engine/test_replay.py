@@ -19,7 +19,7 @@ import random
 import msgpack
 import pytest
 
-from prefixd.engine import snapshot as ckpt
+from prefixd.engine import checkpoint as ckpt
 from prefixd.engine import DurabilityError, DurableCache
 from prefixd.cache.errors import OutOfBlocks
 from prefixd.engine.errors import StateFormatError

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prefixd.engine import snapshot as ckpt
+from prefixd.engine import checkpoint as ckpt
 from prefixd.cache.node import DISK, HOST
 from prefixd.cache.prefix_cache import PrefixCache
 from tests.cache.helpers import toks

@@ -198,7 +198,7 @@ def test_a_daemon_that_is_down_is_a_miss_logged_once(caplog):
     assert plan.empty()
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
     assert "unreachable" in caplog.records[0].message
-    assert side.link.stats.outages == 1 and side.link.stats.skipped >= 1  # s's open was skipped
+    assert side.link.stats.outages == 1 and side.link.stats.failed >= 2  # one outage, both opens missed
     side.check_invariants()
 
 
@@ -241,6 +241,7 @@ def test_shutdown_releases_what_is_held_and_detaches():
     ({}, "prefixd.socket"),
     ({"prefixd.socket": "/s", "prefixd.durability": "disk"}, "durability"),
     ({"prefixd.socket": "/s", "prefixd.sokcet": "/t"}, "unknown"),
+    ({"prefixd.socket": "/s", "prefixd.request_timeout_ms": 0}, "request_timeout_ms"),
 ])
 def test_options_refuse_what_would_pass_silently(extra, match):
     from prefixd.client.vllm.options import ConnectorOptions
@@ -288,3 +289,12 @@ def test_a_prompt_is_committed_once_saved_not_when_the_request_ends():
     side.on_report(SaveReport())
     side.finished("r")
     assert len(session.committed) == 1 and [c for _, c, _ in session.released] == [False]
+
+
+def test_options_take_the_request_deadline_in_ms():
+    from prefixd.client.breaker import DEFAULT_REQUEST_TIMEOUT_MS
+    from prefixd.client.vllm.options import ConnectorOptions
+
+    assert ConnectorOptions.from_extra_config({"prefixd.socket": "/s"}).request_timeout_ms == DEFAULT_REQUEST_TIMEOUT_MS
+    opts = ConnectorOptions.from_extra_config({"prefixd.socket": "/s", "prefixd.request_timeout_ms": "250"})
+    assert opts.request_timeout_ms == 250.0

@@ -10,7 +10,7 @@ import pytest
 
 from prefixd.crashpoints import CRASH_EXIT_CODE
 from prefixd.wal import Kind, WalCorruptError
-from prefixd.wal.checkpoint import CHUNK_SIZE
+from prefixd.wal.checkpoint_store import CHUNK_SIZE
 
 from .conftest import raw_env, run_child
 

@@ -20,8 +20,12 @@ llm = LLM(model=MODEL_DIR, kv_transfer_config=KVTransferConfig(
 - ``prefixd.model_id``: the pool's model id (default: the ``model`` vLLM was given, as given;
   two vLLMs share a pool only with the same id, block size, dtype and shape, so set it when
   the same model is loaded from different paths).
-- ``prefixd.timeout_s`` (5): deadline of each daemon call. ``prefixd.retry_s`` (2): after a
-  failed call, the connector answers misses for this long before it asks the daemon again.
+- ``prefixd.request_timeout_ms`` (1000): deadline of every daemon call on vLLM's engine thread.
+  A call that misses it (a hung or dead daemon) trips the session's circuit breaker: every
+  later call is a miss answered at once until a background probe sees the daemon answer.
+- ``prefixd.timeout_s`` (30): deadline of Attach, which runs on a background thread (the
+  first Attach of a layout makes the pool). ``prefixd.retry_s`` (2): the most seconds between
+  two attempts to attach while no daemon answers.
 - ``prefixd.log_level`` (``INFO``): level of the stderr handler the connector gives the
   ``prefixd.client.vllm`` logger when nothing else handles it (``""``: none).
 
@@ -39,7 +43,8 @@ restarting is a miss, never a failed request. One INFO line per request on the
 Modules: ``connector`` (the vLLM class; the only one that imports vLLM), ``scheduler`` and
 ``worker`` (the two halves), ``metadata`` (what travels between them), ``paged_layout``
 (vLLM's KV tensor forms), ``block_transfer`` (the copies), ``daemon_link`` (a session where
-trouble is a miss), ``options`` (the keys above).
+trouble is a miss), ``miss_log`` (misses said at WARNING once a minute per reason), ``options``
+(the keys above).
 
 NOTE: this package imports without vLLM; ``PrefixdConnector`` is loaded on first access
 (vLLM's loader does ``getattr(module, "PrefixdConnector")``).

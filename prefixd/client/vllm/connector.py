@@ -65,17 +65,21 @@ class PrefixdConnector(KVConnectorBase_V1):
             log.error("prefixd connector disabled (every request is a miss): %s", exc)
             return
         name = f"vllm-{role.name.lower()}-{os.getpid()}"
+        max_model_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
         opts = self.options
         if role == KVConnectorRole.SCHEDULER:
             self._recompute_failed_loads()
-            link = DaemonLink(opts.socket, layout, name, mapped=False, timeout_s=opts.timeout_s, retry_s=opts.retry_s)
+            link = DaemonLink(opts.socket, layout, name, mapped=False, timeout_s=opts.timeout_s, retry_s=opts.retry_s,
+                              request_timeout_ms=opts.request_timeout_ms, max_model_len=max_model_len)
+            link.start()  # attach in the background now, not on the first request
             self.scheduler = SchedulerSide(link, layout.block_size, opts.durability)
         else:
-            link = DaemonLink(opts.socket, layout, name, mapped=True, timeout_s=opts.timeout_s, retry_s=opts.retry_s)
+            link = DaemonLink(opts.socket, layout, name, mapped=True, timeout_s=opts.timeout_s, retry_s=opts.retry_s,
+                              request_timeout_ms=opts.request_timeout_ms, max_model_len=max_model_len)
             self.worker = WorkerSide(link, layer_names, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
                                      block_size=layout.block_size)
-        log.info("prefixd connector role=%s socket=%s layout=%s durability=%s", role.name, opts.socket,
-                 layout, opts.durability)
+        log.info("prefixd connector role=%s socket=%s layout=%s durability=%s request_timeout_ms=%g", role.name,
+                 opts.socket, layout, opts.durability, opts.request_timeout_ms)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -81,7 +81,8 @@ class WorkerSide:
         first = self.layouts[self.layer_names[0]]
         log.info("vLLM KV layout form=%s shape=%s strides=%s layers=%d", first.form,
                  tuple(kv_caches[self.layer_names[0]].shape), first.strides, len(views))
-        self.link.call("attach", lambda s: s.mapped)  # map the pool now, not in the first step
+        # attach and map the pool now (vLLM's start, not a step), waiting up to the Attach deadline
+        self.link.start(self.link.timeout_s)
         return True
 
     def load(self, plan: StepPlan) -> None:

@@ -1,4 +1,10 @@
-"""The checkpoint: the whole index as a few columnar arrays (tree order), and back.
+"""The engine's checkpoint: what one holds, when one is due, and taking one.
+
+A checkpoint folds the log into the whole index: ``dump`` / ``load`` turn the tree into a few
+columnar arrays (tree order) and back, ``CheckpointTrigger`` says when one is due, and ``take``
+writes one through the WAL, which stores it (``prefixd.wal.checkpoint_store``: chunked,
+checksummed values, and the log truncated in the same transaction). ``Upkeep.checkpoint`` runs
+``take`` once nothing is held behind a disk barrier.
 
 Layout (``index`` values; arrays are little-endian numpy buffers):
 
@@ -31,10 +37,11 @@ from typing import NamedTuple
 import msgpack
 import numpy as np
 
+from prefixd.crashpoints import crash_point
 from prefixd.engine.errors import StateFormatError
 from prefixd.cache.node import DEVICE, DISK, HOST, Node, new_root
 from prefixd.engine.packed_node import PackedNode, packed_checksums, packed_hashes
-from prefixd.engine.records import RECORDS_VERSION, ZERO_HASH
+from prefixd.engine.records import CHECKPOINT_BLOCKS, RECORDS_VERSION, ZERO_HASH
 
 
 def dump(cache, extra_meta: dict, seqs: list) -> tuple[dict[bytes, bytes], dict[bytes, bytes]]:
@@ -322,3 +329,46 @@ def dump_engine(cache, sessions: dict, recovered, file_ids: dict) -> tuple[dict[
     meta = {"next_seq_id": cache.next_seq_id,
             "file_ids": {str(int(t)): fid.hex() for t, fid in file_ids.items()}}
     return dump(cache, meta, seqs)
+
+
+def take(wal, cache, sessions: dict, recovered, file_ids: dict) -> int:
+    """Write a checkpoint of ``cache`` (see ``dump_engine``) at the log's last lsn; returns it.
+    The caller has logged every event and holds none behind a disk barrier, so the dump holds
+    no effect whose record is not in the log before that lsn."""
+    index, seq_values = dump_engine(cache, sessions, recovered, file_ids)
+    lsn = wal.stats().next_lsn - 1
+    crash_point("checkpoint_dumped")
+    wal.checkpoint(lsn, index, seq_values)
+    return lsn
+
+
+class CheckpointTrigger:
+    """When the log is folded into a checkpoint: after ``records`` records, or once replaying
+    the records since the last one would decode ``blocks`` blocks (``records.Scan.blocks``; see
+    ``prefixd.engine.records.CHECKPOINT_BLOCKS``), whichever comes first.
+
+    Both bounds are settable while serving (``prefixd.engine.live_settings``). Invariants:
+    ``tail_records`` and ``tail_blocks`` count what was logged since the last checkpoint (the
+    replayed tail included after a restart) and are never negative.
+    """
+
+    def __init__(self, records: int, blocks: int = CHECKPOINT_BLOCKS) -> None:
+        self.records = records
+        self.blocks = blocks
+        self.tail_records = 0
+        self.tail_blocks = 0
+
+    def count(self, records: int, blocks: int) -> None:
+        """``records`` more records were logged, decoding ``blocks`` blocks on replay."""
+        self.tail_records += records
+        self.tail_blocks += blocks
+
+    def due(self) -> bool:
+        return self.tail_records >= self.records or self.tail_blocks >= self.blocks
+
+    def taken(self) -> None:
+        """A checkpoint folded the whole log."""
+        self.tail_records = self.tail_blocks = 0
+
+    def check_invariants(self) -> None:
+        assert self.tail_records >= 0 and self.tail_blocks >= 0, "negative checkpoint tail"

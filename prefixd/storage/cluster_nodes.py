@@ -2,7 +2,9 @@
 
 ``ClusterLinks.pipeline(groups, purpose)`` sends every node its commands first and reads the
 replies after, so the masters work in parallel and a batch costs one round trip to the slowest
-node. A node that fails (refused, reset, silent past the timeout) is marked down for
+node. The batch has one deadline (``timeout_s`` from its start, see ``batch_deadline``) that
+every wait of it shares, connects included: a batch never waits longer than that, however many
+nodes are silent. A node that fails (refused, reset, silent past the timeout) is marked down for
 ``retry_after_s``: until then its keys are answered as missing without touching the network, and
 the first call after that tries it again (one log line when an outage starts, one when it ends).
 
@@ -41,6 +43,11 @@ NUM_SLOTS = 16384
 PUT_TIMEOUT_FLOOR_S = 0.5
 
 READ_SIZE = 1 << 20
+
+# NOTE: what a node is still given once the batch's deadline has passed (an earlier node used
+# it up): enough to read a reply that is already in the socket's buffer, so one silent node does
+# not turn the answers of the others into misses, and small enough that N nodes add N ms.
+MIN_WAIT_S = 0.001
 
 
 class NodeFailure(Exception):
@@ -131,16 +138,20 @@ class ClusterLinks:
 
     # -- slot map -----------------------------------------------------------------------------
 
-    def nodes_of(self, keys: Sequence[bytes]) -> list[str] | None:
-        """The master of each key, or None when no slot map can be had (the cluster is out)."""
+    def nodes_of(self, keys: Sequence[bytes], deadline: float | None = None) -> list[str] | None:
+        """The master of each key, or None when no slot map can be had (the cluster is out).
+
+        ``deadline``: the batch's (``batch_deadline``), when reloading the slot map is part of
+        one (default: one of its own)."""
         if self._slots_stale or self._slots is None:
-            self._refresh()
+            self._refresh(self.batch_deadline("get") if deadline is None else deadline)
         slots = self._slots
         if slots is None:
             return None
         return [slots[key_slot(k)] for k in keys]
 
-    def _refresh(self) -> None:
+    def _refresh(self, deadline: float) -> None:
+        """Reload the slot map from the first known node that answers, all by ``deadline``."""
         now = time.monotonic()
         if now < self._map_retry_at:
             return
@@ -150,7 +161,7 @@ class ClusterLinks:
             if self.is_down(node, now):
                 continue
             try:
-                reply = self._call(node, "get", ("CLUSTER", "SLOTS"))
+                reply = self._call(node, "get", ("CLUSTER", "SLOTS"), deadline)
             except NodeFailure as e:
                 last = e
                 self.mark_down(node, e.cause)
@@ -185,6 +196,27 @@ class ClusterLinks:
 
     # -- the wire -----------------------------------------------------------------------------
 
+    def batch_deadline(self, purpose: str) -> float:
+        """The ``time.monotonic()`` by which a batch started now must be over: ``timeout_s``
+        for reads, at least ``PUT_TIMEOUT_FLOOR_S`` for writes."""
+        return time.monotonic() + self._timeout(purpose)
+
+    def _timeout(self, purpose: str) -> float:
+        return self.timeout_s if purpose == "get" else max(self.timeout_s, PUT_TIMEOUT_FLOOR_S)
+
+    def _budget(self, conn: Connection, deadline: float) -> None:
+        """Bound ``conn``'s next connect, send or read by what is left until ``deadline``.
+
+        NOTE: the socket's timeout bounds each wait, not a batch; set from the deadline before
+        every wait, the waits of one batch add up to at most its deadline (plus ``MIN_WAIT_S``
+        per node once it has passed), where a fresh timeout per node would make N frozen
+        masters cost N timeouts, in turn. A reply that trickles in is bounded per wait.
+        """
+        left = max(deadline - time.monotonic(), MIN_WAIT_S)
+        conn.socket_timeout = left
+        conn.socket_connect_timeout = min(self.connect_timeout_s, left)
+        conn.update_current_socket_timeout(left)  # a connected socket (and its parser) now
+
     def _connection(self, node: str, purpose: str) -> Connection:
         conns = getattr(self._local, "conns", None)
         if conns is None:
@@ -192,7 +224,7 @@ class ClusterLinks:
         conn = conns.get((node, purpose))
         if conn is None:
             host, _, port = node.rpartition(":")
-            timeout = self.timeout_s if purpose == "get" else max(self.timeout_s, PUT_TIMEOUT_FLOOR_S)
+            timeout = self._timeout(purpose)  # replaced per wait by ``_budget``
             conn = Connection(host=host, port=int(port), socket_timeout=timeout,
                               socket_connect_timeout=self.connect_timeout_s,
                               retry=Retry(NoBackoff(), 0), driver_info=None,
@@ -208,19 +240,25 @@ class ClusterLinks:
             if n == node:
                 conn.disconnect()
 
-    def _call(self, node: str, purpose: str, command: tuple):
+    def _call(self, node: str, purpose: str, command: tuple, deadline: float | None = None):
         """One command to one node; its reply (an error reply as a ``ResponseError``).
 
         Raises:
             NodeFailure: the node could not be used.
         """
-        replies = self.pipeline({node: [command]}, purpose)[node]
+        replies = self.pipeline({node: [command]}, purpose, deadline)[node]
         if isinstance(replies, NodeFailure):
             raise replies
         return replies[0]
 
-    def pipeline(self, groups: dict[str, list[tuple]], purpose: str) -> dict[str, list]:
-        """Send each node its commands, then read every reply.
+    def pipeline(self, groups: dict[str, list[tuple]], purpose: str,
+                 deadline: float | None = None) -> dict[str, list]:
+        """Send each node its commands, then read every reply, all by one deadline.
+
+        Args:
+            deadline: ``time.monotonic()`` by which every connect, send and read of the batch
+                is over (default: ``batch_deadline(purpose)`` from now). A node not done by then
+                is a ``NodeFailure`` with ``timeout`` set.
 
         Returns per node either the list of replies (a ``ResponseError`` instance in place of an
         error reply, e.g. OOM or MOVED) or a ``NodeFailure`` when the node could not be used; the
@@ -228,12 +266,15 @@ class ClusterLinks:
         """
         if self._closed:
             return {n: NodeFailure(n, RuntimeError("store closed"), False) for n in groups}  # type: ignore[misc]
+        if deadline is None:
+            deadline = self.batch_deadline(purpose)
         out: dict[str, list | NodeFailure] = {}
         sent: list[str] = []
         for node, commands in groups.items():
             conn = self._connection(node, purpose)
             _drop_if_stale(conn)
             try:
+                self._budget(conn, deadline)  # a connect, if it needs one, and the send
                 conn.send_packed_command(conn.pack_commands(commands), check_health=False)
                 sent.append(node)
             except (RedisError, OSError) as e:
@@ -245,6 +286,7 @@ class ClusterLinks:
             try:
                 for _ in groups[node]:
                     try:
+                        self._budget(conn, deadline)
                         replies.append(conn.read_response())
                     except ResponseError as e:
                         if isinstance(e, MovedError):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prefixd.storage.remote_nodes import NUM_SLOTS, ClusterLinks
+from prefixd.storage.cluster_nodes import NUM_SLOTS, ClusterLinks
 
 
 def test_reloading_a_partly_covered_slot_map_never_raises():

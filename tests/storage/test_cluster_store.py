@@ -1,4 +1,4 @@
-"""RemoteStore against a real 3-master Redis Cluster: runs, checks on read, namespaces, failures.
+"""ClusterStore against a real 3-master Redis Cluster: runs, checks on read, namespaces, failures.
 
 Every test builds its own chain of blocks (fresh hashes), so tests share the module's cluster
 without seeing each other's keys. Tests that kill, pause or reconfigure nodes put them back.
@@ -16,8 +16,8 @@ import pytest
 import xxhash
 from redis.cluster import ClusterNode, RedisCluster as BareClient
 
-from prefixd.storage.remote import STAT_NAMES, RemoteBlock, RemoteStore
-from prefixd.storage.remote_value import encode
+from prefixd.storage.cluster import STAT_NAMES, ClusterBlock, ClusterStore
+from prefixd.storage.cluster_value import encode
 from tests.cluster.redis_fixture import redis_cluster  # noqa: F401  (the fixture, used by name)
 
 NS = b"tenant-a/test-layout"
@@ -25,7 +25,7 @@ KV_BYTES = 4096
 _chains = itertools.count()
 
 
-def chain(n: int, *, salt: bytes = b"") -> list[RemoteBlock]:
+def chain(n: int, *, salt: bytes = b"") -> list[ClusterBlock]:
     """``n`` consecutive blocks of a fresh prefix with deterministic, distinct bytes."""
     base = next(_chains)
     blocks, parent = [], b"\0" * 16
@@ -33,12 +33,12 @@ def chain(n: int, *, salt: bytes = b"") -> list[RemoteBlock]:
         tokens = b"".join((base * 1000 + i * 16 + t).to_bytes(4, "little") for t in range(16))
         block_hash = xxhash.xxh3_128_digest(salt + parent + tokens)
         kv = xxhash.xxh3_128_digest(block_hash) * (KV_BYTES // 16)
-        blocks.append(RemoteBlock(block_hash, parent, tokens, kv))
+        blocks.append(ClusterBlock(block_hash, parent, tokens, kv))
         parent = block_hash
     return blocks
 
 
-def put_until_written(store: RemoteStore, blocks: list[RemoteBlock], tries: int = 50) -> int:
+def put_until_written(store: ClusterStore, blocks: list[ClusterBlock], tries: int = 50) -> int:
     """Offer ``blocks`` until all are written (a store back from an outage waits retry_after_s)."""
     written = 0
     for _ in range(tries):
@@ -49,14 +49,14 @@ def put_until_written(store: RemoteStore, blocks: list[RemoteBlock], tries: int 
     return written
 
 
-def ask(store: RemoteStore, blocks: list[RemoteBlock]) -> list[RemoteBlock]:
+def ask(store: ClusterStore, blocks: list[ClusterBlock]) -> list[ClusterBlock]:
     return store.get_run([b.block_hash for b in blocks], [b.token_ids for b in blocks])
 
 
 @pytest.fixture
 def store(redis_cluster):  # noqa: F811
     """A store with generous timeouts (a loaded 2-core host), checked and closed after the test."""
-    s = RemoteStore(redis_cluster.nodes, NS, timeout_s=0.5, retry_after_s=0.2)
+    s = ClusterStore(redis_cluster.nodes, NS, timeout_s=0.5, retry_after_s=0.2)
     yield s
     s.check_invariants()
     s.close()
@@ -112,7 +112,7 @@ def test_damaged_value_is_counted_deleted_and_not_served(store, bare, damage):
         value = bytearray(bare.get(store.key(blocks[4].block_hash)))
     else:  # right parent, tokens and KV, checksum good, but the stored hash is another block's
         b = blocks[2]
-        value = bytearray(encode(RemoteBlock(blocks[5].block_hash, b.parent_hash, b.token_ids, b.kv)))
+        value = bytearray(encode(ClusterBlock(blocks[5].block_hash, b.parent_hash, b.token_ids, b.kv)))
     bare.set(key, bytes(value))
     assert ask(store, blocks) == blocks[:2]
     assert store.stats()["corrupt"] == 1
@@ -143,7 +143,7 @@ def test_other_token_ids_are_never_served(store, bare):
 
 def test_two_namespaces_never_see_each_other(redis_cluster, store):  # noqa: F811
     blocks = chain(5)
-    other = RemoteStore(redis_cluster.nodes, b"tenant-b/test-layout", timeout_s=0.5)
+    other = ClusterStore(redis_cluster.nodes, b"tenant-b/test-layout", timeout_s=0.5)
     try:
         assert store.put(blocks) == 5
         assert ask(other, blocks) == []
@@ -158,20 +158,20 @@ def test_two_namespaces_never_see_each_other(redis_cluster, store):  # noqa: F81
 def test_caller_bugs_raise(store):
     good = chain(1)[0]
     with pytest.raises(ValueError, match="16 bytes"):
-        store.put([RemoteBlock(b"short", good.parent_hash, good.token_ids, good.kv)])
+        store.put([ClusterBlock(b"short", good.parent_hash, good.token_ids, good.kv)])
     with pytest.raises(ValueError, match="int32"):
-        store.put([RemoteBlock(good.block_hash, good.parent_hash, b"abc", good.kv)])
+        store.put([ClusterBlock(good.block_hash, good.parent_hash, b"abc", good.kv)])
     with pytest.raises(ValueError, match="token id blocks"):
         store.get_run([good.block_hash], [])
     with pytest.raises(ValueError, match="bytes"):
-        RemoteStore(["127.0.0.1:1"], b"")
+        ClusterStore(["127.0.0.1:1"], b"")
     with pytest.raises(ValueError, match="host:port"):
-        RemoteStore(["nohost"], NS)
+        ClusterStore(["nohost"], NS)
 
 
 def test_killed_node_is_a_miss_then_serves_after_restart(redis_cluster, store, caplog):  # noqa: F811
     """A dead node must turn into misses and skipped writes (no exception), logged once per outage."""
-    caplog.set_level(logging.WARNING, logger="prefixd.storage.remote_nodes")
+    caplog.set_level(logging.WARNING, logger="prefixd.storage.cluster_nodes")
     blocks = chain(24)
     assert store.put(blocks) == 24
     redis_cluster.kill(1)
@@ -225,7 +225,7 @@ def test_put_and_get_run_on_two_threads_serve_only_right_bytes(store):
 
 def test_silent_node_times_out_into_a_miss(redis_cluster):  # noqa: F811
     """A node that accepts but never answers (SIGSTOP) costs a timeout, not a hang or an error."""
-    store = RemoteStore(redis_cluster.nodes, NS, timeout_s=0.05, retry_after_s=0.2)
+    store = ClusterStore(redis_cluster.nodes, NS, timeout_s=0.05, retry_after_s=0.2)
     blocks = chain(24)
     try:
         assert store.put(blocks) == 24
@@ -243,7 +243,7 @@ def test_silent_node_times_out_into_a_miss(redis_cluster):  # noqa: F811
 
 def test_stopped_cluster_is_a_miss_and_the_store_reconnects(redis_cluster):  # noqa: F811
     """Every node down, the store's slot map included: misses, skipped writes, then serving again."""
-    fresh = RemoteStore(redis_cluster.nodes, NS, timeout_s=0.5, retry_after_s=0.2)
+    fresh = ClusterStore(redis_cluster.nodes, NS, timeout_s=0.5, retry_after_s=0.2)
     blocks = chain(6)
     for i in range(3):
         redis_cluster.kill(i)
@@ -285,7 +285,7 @@ def test_restarted_node_is_used_at_once_by_connections_idle_through_the_outage(r
     """Bug (found by the engine's kill/restart test): only the thread that saw a node die replaced
     its connection; the writer thread's idle connection to it, closed by the dead process, failed
     once more after the restart and opened a second outage (a log line, retry_after_s of misses)."""
-    store = RemoteStore(redis_cluster.nodes, NS, timeout_s=0.5, retry_after_s=0.2)
+    store = ClusterStore(redis_cluster.nodes, NS, timeout_s=0.5, retry_after_s=0.2)
     blocks = chain(24)
     writer = concurrent.futures.ThreadPoolExecutor(max_workers=1)  # one thread, like write-behind
     try:
@@ -307,11 +307,11 @@ def test_restarted_node_is_used_at_once_by_connections_idle_through_the_outage(r
 def test_closed_store_answers_misses_and_skips_writes(redis_cluster, caplog):  # noqa: F811
     """After close (an engine shutting down while its writer drains), calls neither raise nor
     report the cluster down."""
-    store = RemoteStore(redis_cluster.nodes, NS, timeout_s=0.5)
+    store = ClusterStore(redis_cluster.nodes, NS, timeout_s=0.5)
     blocks = chain(3)
     assert store.put(blocks) == 3
     store.close()
-    caplog.set_level(logging.WARNING, logger="prefixd.storage.remote_nodes")
+    caplog.set_level(logging.WARNING, logger="prefixd.storage.cluster_nodes")
     assert store.put(blocks) == 0
     assert ask(store, blocks) == []
     assert not caplog.records

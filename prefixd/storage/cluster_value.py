@@ -46,7 +46,7 @@ KEY_PREFIX = b"prefixd:"
 
 
 @dataclass(frozen=True)
-class RemoteBlock:
+class ClusterBlock:
     """One block as the cluster holds it.
 
     Attributes:
@@ -85,7 +85,7 @@ def key_of(ns_hex: bytes, block_hash: bytes) -> bytes:
     return KEY_PREFIX + ns_hex + b":" + block_hash.hex().encode()
 
 
-def check_block(block: RemoteBlock) -> None:
+def check_block(block: ClusterBlock) -> None:
     """Raises ValueError for a block the caller built wrong (hash lengths, token bytes)."""
     if len(block.block_hash) != HASH_BYTES or len(block.parent_hash) != HASH_BYTES:
         raise ValueError(f"block_hash and parent_hash must be {HASH_BYTES} bytes, got "
@@ -94,7 +94,7 @@ def check_block(block: RemoteBlock) -> None:
         raise ValueError(f"token_ids must be packed int32, got {len(block.token_ids)} bytes")
 
 
-def encode(block: RemoteBlock) -> bytes:
+def encode(block: ClusterBlock) -> bytes:
     """The value stored for ``block`` (one copy of the KV bytes)."""
     head = _HEAD.pack(MAGIC, VERSION, 0, 0, len(block.token_ids), len(block.kv))
     h = xxhash.xxh3_64()
@@ -105,7 +105,7 @@ def encode(block: RemoteBlock) -> bytes:
 
 
 def decode(value: bytes, block_hash: bytes, parent_hash: bytes | None,
-           token_ids: bytes) -> tuple[Verdict, RemoteBlock | None]:
+           token_ids: bytes) -> tuple[Verdict, ClusterBlock | None]:
     """Check ``value`` against what was asked; the block only when every check holds.
 
     Args:
@@ -128,5 +128,5 @@ def decode(value: bytes, block_hash: bytes, parent_hash: bytes | None,
     tokens_end = HEADER_BYTES + n_tokens
     if body[HEADER_BYTES:tokens_end] != token_ids:
         return Verdict.MISMATCH, None
-    return Verdict.OK, RemoteBlock(stored_hash, stored_parent, value[HEADER_BYTES:tokens_end],
+    return Verdict.OK, ClusterBlock(stored_hash, stored_parent, value[HEADER_BYTES:tokens_end],
                                    body[tokens_end:tokens_end + n_kv])

@@ -1,9 +1,9 @@
-"""The cluster tier's client: content-addressed, immutable blocks in a Redis Cluster (issue 15).
+"""The cluster tier's client: content-addressed, immutable blocks in a Redis Cluster.
 
-``RemoteStore`` is the storage half of the cluster tier; the engine owns the policy (what to
+``ClusterStore`` is the storage half of the cluster tier; the engine owns the policy (what to
 write behind, when to ask, where to promote). Every failure of the cluster is a miss or a skipped
-write, never an exception and never a stall past the timeouts: see ``remote_nodes`` for routing
-and node health, ``remote_value`` for the key and value format and the checks on read.
+write, never an exception and never a stall past the timeouts: see ``cluster_nodes`` for routing
+and node health, ``cluster_value`` for the key and value format and the checks on read.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Sequence
 from redis.crc import key_slot
 from redis.exceptions import MovedError, OutOfMemoryError, ResponseError
 
-from prefixd.storage.remote_nodes import ClusterLinks, NodeFailure
-from prefixd.storage.remote_value import (HASH_BYTES, RemoteBlock, Verdict, check_block, decode,
+from prefixd.storage.cluster_nodes import ClusterLinks, NodeFailure
+from prefixd.storage.cluster_value import (HASH_BYTES, ClusterBlock, Verdict, check_block, decode,
                                           encode, key_of, namespace_digest)
 
-__all__ = ["RemoteBlock", "RemoteStore", "STAT_NAMES"]
+__all__ = ["ClusterBlock", "ClusterStore", "STAT_NAMES"]
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ STAT_NAMES = ("hits", "misses", "corrupt", "mismatch", "errors", "timeouts", "wr
               "skipped_down", "oom")
 
 
-class RemoteStore:
+class ClusterStore:
     """Content-addressed, immutable blocks in a Redis Cluster under one namespace.
 
     Counters (``stats()``), all monotonic:
@@ -43,15 +43,15 @@ class RemoteStore:
             their node (or the whole cluster) was in an outage.
 
     Invariants: every counter >= 0; a value is returned by ``get_run`` only if every check in
-    ``remote_value.decode`` held for it and for every block before it in the run.
+    ``cluster_value.decode`` held for it and for every block before it in the run.
 
     NOTE: ``get_run`` asks for every block up to the first one on a node that is down, in one
     pipelined batch per node with all nodes in flight at once, and cuts the run afterwards. Asking
     block by block would cost a round trip per block; asking in waves would save bytes only when
     the cluster holds a short run, which the engine's own index usually already predicts.
 
-    NOTE: a token mismatch deletes the value too (issue 15: "a mismatch is never served, it is
-    counted and the value is deleted"). With 128-bit chained hashes a real collision is not
+    NOTE: a token mismatch deletes the value too (a mismatch is never served, it is counted
+    and the value is deleted). With 128-bit chained hashes a real collision is not
     expected, so a mismatch means a writer bug; deleting costs at most a rewrite by the owner.
 
     Thread-safe: ``put`` and ``get_run`` may run at once on different threads (each thread has
@@ -77,7 +77,7 @@ class RemoteStore:
 
     # -- writes -------------------------------------------------------------------------------
 
-    def put(self, blocks: Sequence[RemoteBlock]) -> int:
+    def put(self, blocks: Sequence[ClusterBlock]) -> int:
         """Store ``blocks`` (pipelined, one batch per node); returns how many were written.
 
         A block on a node that is down, refused for memory or lost with its node's batch is
@@ -92,7 +92,8 @@ class RemoteStore:
         if not blocks or self._links.closed:
             return 0
         keys = [self.key(b.block_hash) for b in blocks]
-        owners = self._links.nodes_of(keys)
+        deadline = self._links.batch_deadline("put")  # the slot map's reload and the writes
+        owners = self._links.nodes_of(keys, deadline)
         if owners is None:
             self._count(skipped_down=len(blocks))
             return 0
@@ -105,7 +106,7 @@ class RemoteStore:
                 continue
             groups.setdefault(owner, []).append(("SET", key, encode(block)))
         written = errors = timeouts = oom = 0
-        for node, replies in self._links.pipeline(groups, "put").items():
+        for node, replies in self._links.pipeline(groups, "put", deadline).items():
             if isinstance(replies, NodeFailure):
                 self._links.mark_down(node, replies.cause)
                 timeouts += replies.timeout
@@ -139,7 +140,7 @@ class RemoteStore:
 
     # -- reads --------------------------------------------------------------------------------
 
-    def get_run(self, hashes: Sequence[bytes], token_ids: Sequence[bytes]) -> list[RemoteBlock]:
+    def get_run(self, hashes: Sequence[bytes], token_ids: Sequence[bytes]) -> list[ClusterBlock]:
         """The longest leading run of ``hashes`` the cluster holds intact, with the asked tokens.
 
         Args:
@@ -147,7 +148,7 @@ class RemoteStore:
             token_ids: the packed int32 token ids each block must hold.
 
         Returns:
-            ``RemoteBlock`` for blocks 0..k-1 (k may be 0): each value present, its checksum
+            ``ClusterBlock`` for blocks 0..k-1 (k may be 0): each value present, its checksum
             good, its stored hash the asked one, its parent the previous hash, its tokens the
             asked ones. A value that fails a check is deleted and ends the run.
 
@@ -162,15 +163,17 @@ class RemoteStore:
         if not hashes or self._links.closed:
             return []
         keys = [self.key(h) for h in hashes]
-        owners = self._links.nodes_of(keys)
+        # one deadline for the fetch: the slot map's reload (if due) and every node's reads
+        deadline = self._links.batch_deadline("get")
+        owners = self._links.nodes_of(keys, deadline)
         if owners is None:
             self._count(misses=len(hashes), skipped_down=len(hashes))
             return []
         now = time.monotonic()
         limit = next((i for i, o in enumerate(owners) if not o or self._links.is_down(o, now)),
                      len(keys))
-        values, errors, timeouts = self._fetch(keys[:limit], owners[:limit])
-        run: list[RemoteBlock] = []
+        values, errors, timeouts = self._fetch(keys[:limit], owners[:limit], deadline)
+        run: list[ClusterBlock] = []
         parent = None
         bad = None
         for i, value in enumerate(values):
@@ -193,8 +196,10 @@ class RemoteStore:
                     errors=errors, timeouts=timeouts, corrupt=int(corrupt), mismatch=int(mismatch))
         return run
 
-    def _fetch(self, keys: list[bytes], owners: list[str]) -> tuple[list[bytes | None], int, int]:
-        """Values of ``keys`` (None where absent or lost): one MGET per hash slot, all nodes at once."""
+    def _fetch(self, keys: list[bytes], owners: list[str],
+               deadline: float) -> tuple[list[bytes | None], int, int]:
+        """Values of ``keys`` (None where absent or lost): one MGET per hash slot, all nodes at
+        once, every node's reply by ``deadline``."""
         values: list[bytes | None] = [None] * len(keys)
         if not keys:
             return values, 0, 0
@@ -207,7 +212,7 @@ class RemoteStore:
             groups.setdefault(owner, []).append(("MGET", *(keys[i] for i in idx)))
             positions.setdefault(owner, []).append(idx)
         errors = timeouts = 0
-        for node, replies in self._links.pipeline(groups, "get").items():
+        for node, replies in self._links.pipeline(groups, "get", deadline).items():
             if isinstance(replies, NodeFailure):
                 self._links.mark_down(node, replies.cause)
                 timeouts += replies.timeout

@@ -1,0 +1,72 @@
+"""Admission at Attach: a pool too small for one request of the client's max_model_len is
+refused loudly; an unknown length gets one WARNING per pool below the floor."""
+
+import logging
+
+import grpc
+import pytest
+
+import prefixd.client as pc
+from prefixd.daemon import admission
+from prefixd.config import EngineConfig, TierSizes
+from prefixd.api.layout import KVLayout
+from prefixd.daemon.status import RpcFailure
+from tests.daemon.harness import start_daemon
+
+LAYOUT = KVLayout("adm", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", block_size=4)
+SMALL = """
+[engine]
+shm_dir = "{shm}"
+
+[engine.blocks]
+device = 8
+host = 8
+disk = 0
+
+[daemon]
+lease_s = {lease_s}
+"""
+
+
+def config(device, models=()):
+    return EngineConfig(blocks=TierSizes(device=device, host=16, disk=0), model_blocks=models)
+
+
+def test_a_request_that_fits_is_admitted_and_one_that_does_not_is_refused_naming_the_key():
+    admission.check_attach(config(16), "t", LAYOUT, 64)  # 16 blocks of 4: exactly one request
+    with pytest.raises(RpcFailure) as err:
+        admission.check_attach(config(16), "t", LAYOUT, 65)
+    msg = str(err.value)
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "16 device blocks" in msg and "64 tokens" in msg and "needs 17 blocks" in msg
+    assert "[engine.blocks] device" in msg
+
+
+def test_a_model_override_is_the_key_named():
+    cfg = config(1024, models=(("adm", TierSizes(device=2, host=4, disk=0)),))
+    with pytest.raises(RpcFailure, match=r'\[engine.blocks.models."adm"\] device'):
+        admission.check_attach(cfg, "t", LAYOUT, 100)
+
+
+def test_unknown_length_warns_once_per_pool_below_the_floor(caplog):
+    layout = KVLayout("adm-warn", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", block_size=4)
+    with caplog.at_level(logging.WARNING, logger="prefixd.daemon.admission"):
+        for _ in range(3):
+            admission.check_attach(config(2), "t1", layout, 0)
+        admission.check_attach(config(2), "t2", layout, 0)  # another tenant: another pool
+        admission.check_attach(config(admission.FLOOR_TOKENS // 4), "t3", layout, 0)  # at the floor
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert all("[engine.blocks] device" in line and "device_blocks=2" in line for line in lines)
+
+
+def test_attach_with_max_model_len_is_refused_by_a_real_daemon():
+    """End to end: the field travels in AttachRequest and the client raises ResourceExhausted."""
+    with start_daemon(SMALL) as d:
+        with pytest.raises(pc.ResourceExhausted, match="max_model_len=64 needs 16 blocks"):
+            pc.connect(d.socket, LAYOUT, max_model_len=64, mapped=False)
+        with pc.connect(d.socket, LAYOUT, max_model_len=32, mapped=False) as s:
+            assert s.lookup(list(range(8))) == 0
+        with pc.connect(d.socket, LAYOUT, mapped=False):
+            pass
+        assert d.log().count("pool too small to be useful") == 1
