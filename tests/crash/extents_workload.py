@@ -59,6 +59,16 @@ def read_log(directory: str) -> dict[int, int]:
     return live
 
 
+def puts_logged(directory: str) -> int:
+    """How many blocks the log has ever named (its ``put`` lines, frees not subtracted): what a
+    test waits on to know the workload got on, whatever share of the slots is live."""
+    try:
+        with open(os.path.join(directory, "acks")) as f:
+            return f.read().count("put ")
+    except FileNotFoundError:
+        return 0
+
+
 def run(directory: str, rounds: int, seed: int, data_sync: bool = True) -> None:
     rng = random.Random(seed)
     pool = open_pool(directory)

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from prefixd.crashpoints import CRASH_EXIT_CODE
-from tests.crash.extents_workload import check, read_log
+from tests.crash.extents_workload import check, puts_logged
 
 CRASH_POINTS = ["extent_grown", "extent_punched"]
 SLACK = 16 * 1024  # ext4's extent tree blocks count in st_blocks too
@@ -48,8 +48,10 @@ def test_kill9_at_random_moments_loses_no_logged_block(tmp_path):
     rng = random.Random(5)
     for seed in range(4):
         child = _spawn(tmp_path, "--seed", str(seed), "--rounds", "100000")
-        deadline = time.monotonic() + 60
-        while len(read_log(str(tmp_path))) < 20 * (seed + 1) and time.monotonic() < deadline:
+        deadline, start = time.monotonic() + 60, puts_logged(str(tmp_path))
+        while puts_logged(str(tmp_path)) < start + 20:
+            assert child.poll() is None, f"the workload exited with {child.returncode}"
+            assert time.monotonic() < deadline, "the workload logged fewer than 20 blocks in 60 s"
             time.sleep(0.01)
         time.sleep(rng.uniform(0, 0.2))
         child.send_signal(signal.SIGKILL)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.crash.extents_workload import check, read_log
+from tests.crash.extents_workload import check, puts_logged
 
 SLACK = 16 * 1024
 
@@ -22,9 +22,10 @@ def _cut_runs(fs, cuts: int, *extra: str):
         child = fs.spawn([sys.executable, "-m", "tests.crash.extents_workload", str(state),
                           "--rounds", "1000000", "--seed", str(cut), *extra])
         deadline = time.monotonic() + 120
-        start = len(read_log(str(state)))
-        while len(read_log(str(state))) < start + 30 and time.monotonic() < deadline:
+        start = puts_logged(str(state))
+        while puts_logged(str(state)) < start + 30:
             assert child.poll() is None, f"the workload exited with {child.returncode}"
+            assert time.monotonic() < deadline, "the workload logged fewer than 30 blocks in 120 s"
             time.sleep(0.05)
         fs.power_cut()
         yield check(str(fs.backing / "state"))
