@@ -74,8 +74,7 @@ class AdminRpcs:
 
     @rpc
     async def Checkpoint(self, request, context):
-        # NOTE: runs on the loop (the engine is single-threaded): it holds every other call
-        # for the checkpoint's duration, like the periodic one the engine triggers itself.
-        lsns = self.core.engine.checkpoint()
+        # beside the loop (``offloop``): other calls are served meanwhile
+        lsns = await self.core.offloop.checkpoint_all(self.core.engine)
         log.info("checkpoint on request pools=%d", len(lsns))
         return pb.CheckpointReply(pools=len(lsns))

@@ -18,7 +18,9 @@ import torch
 from prefixd.config.daemon_settings import DaemonConfig
 from prefixd.config.engine_settings import EngineConfig
 from prefixd.daemon.event_journal import EventJournals
+from prefixd.daemon.loop_lag import LoopLag
 from prefixd.daemon.metrics import RpcTimes
+from prefixd.daemon.offloop import OffLoop
 from prefixd.daemon.sessions import SessionTable
 from prefixd.daemon.status import unavailable
 from prefixd.engine.progress import RecoveryProgress
@@ -34,10 +36,9 @@ def limit_intra_op_threads() -> int:
     NOTE: Attend's kernel runs on a compute thread, not the process's first thread, and
     libgomp (torch's OpenMP on Linux) counts a team started there on top of that first
     thread: a team as wide as the CPUs makes it "throttled", and its workers sleep on a futex
-    between the kernel's many small parallel regions instead of spinning. On this 2-CPU host a
-    decode step of ``bench/rpc.py``'s attend section took 12-14 ms so (~80 futex waits a
-    call), 5.5-8 ms on the first thread, 7.6-10.7 ms single-threaded and 7.4-8.5 ms in two
-    single-threaded halves (``docs/design.md``, "Attend's kernel and libgomp").
+    between the kernel's many small parallel regions instead of spinning: a decode step takes
+    about half as long single-threaded, or split over single-threaded compute threads, as in
+    a throttled team (``docs/design.md``, "Daemon": "Attend's kernel leaves the loop").
     """
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
@@ -69,6 +70,8 @@ class DaemonCore:
         self.calls: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.rpc_times = RpcTimes()  # latency by (method, status), fed by ``rpc_call.rpc``
+        self.loop_lag = LoopLag()  # how late the loop runs (``loop_lag``), started by ``server``
+        self.offloop = OffLoop()  # checkpoints and new pools, beside the loop (``offloop``)
         self.metrics = None  # the Prometheus endpoint (``metrics_http.MetricsExporter``), if started
         self.in_flight = 0
         # unary calls matched and not yet finished on the wire (their status sent): a clean

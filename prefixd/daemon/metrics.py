@@ -139,10 +139,25 @@ def snapshot(core) -> list[Family]:
         add("prefixd_rpc_errors", "counter", "rpcs answered with an error status",
             {"method": method}, n)
     add("prefixd_rpc_in_flight", "gauge", "rpcs being served", {}, core.in_flight)
+    _loop_lag(add, core)
     for labels, hist in core.rpc_times.samples():
         add("prefixd_rpc_seconds", "histogram", "unary rpc latency by method and status",
             labels, hist)
     return list(fams.values())
+
+
+def _loop_lag(add, core) -> None:
+    """How late the event loop runs its callbacks (``prefixd.daemon.loop_lag``)."""
+    lag = getattr(core, "loop_lag", None)
+    if lag is None:
+        return
+    p99, worst = lag.recent()
+    add("prefixd_loop_lag_p99_seconds", "gauge", "99th percentile of the event loop's lag over "
+        "the last 10 s (how late a 5 ms timer fires)", {}, p99)
+    add("prefixd_loop_lag_max_seconds", "gauge", "largest event loop lag over the last 10 s", {},
+        worst)
+    add("prefixd_loop_lag_seconds", "histogram", "event loop lag: how late a 5 ms timer fires "
+        "(every call waits as long)", {}, lag.histogram())
 
 
 def _events(add, core) -> None:

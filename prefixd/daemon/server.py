@@ -95,6 +95,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         lock = StateDirLock(self.state_dir)  # 1: before any socket
         try:
+            self.core.loop_lag.start(loop)  # the loop's lag, a metric from the start
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stop)
             loop.add_signal_handler(signal.SIGHUP, self.reloader.request, "SIGHUP")
@@ -115,6 +116,7 @@ class Daemon:
                                      progress=self.core.progress))
         except BaseException:
             self.lifecycle.stopping()
+            self.core.loop_lag.stop()
             self._stop_watch()
             self._stop_metrics()
             await self._close_servers(0)
@@ -122,6 +124,8 @@ class Daemon:
                 lock.release()
             raise
         self.core.engine.set_event_listener(self.core.events.observe)  # KV events for routers
+        for _, dc in self.core.engine.pool_items():  # checkpoints beside the loop (offloop.py)
+            self.core.offloop.watch(dc)
         freeze_startup_heap()  # imports and the recovered index: no full collection walks them again
         self.core.state = SERVING
         for _, health_servicer in self._servers:
@@ -184,7 +188,7 @@ class Daemon:
             except Exception as exc:  # noqa: BLE001 - logged; the loop keeps serving
                 log.error("engine tick failed error=%r", exc)
             try:
-                core.sessions.expire()
+                core.sessions.tick()
             except Exception as exc:  # noqa: BLE001
                 log.exception("lease sweep failed error=%r", exc)
 
@@ -231,13 +235,16 @@ class Daemon:
             return 1
         # a kernel still running (its call gone) reads the pools: it ends before they close
         await asyncio.get_running_loop().run_in_executor(None, core.compute.shutdown)
+        await core.offloop.drain()  # checkpoints the engine started, pools being made
         status = 0
-        try:
-            lsns = core.engine.checkpoint()
+        try:  # beside the loop, which still answers signals and the watchdog
+            lsns = await core.offloop.checkpoint_all(core.engine)
             log.info("checkpoint at stop pools=%d", len(lsns))
         except Exception as exc:  # noqa: BLE001 - the log still holds everything acknowledged
             log.error("checkpoint at stop failed (the next start replays the log) error=%r", exc)
             status = 1
+        core.offloop.close()
+        core.loop_lag.stop()
         try:
             core.engine.close()
         except Exception as exc:  # noqa: BLE001

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 import struct
 
 import grpc
@@ -32,10 +31,12 @@ from prefixd.daemon.core import DaemonCore
 from prefixd.daemon.pool_descriptors import pool_descriptors
 from prefixd.daemon.rpc_call import rpc
 from prefixd.daemon.sessions import Session
-from prefixd.daemon.status import RpcFailure, exhausted, invalid, status_of
+from prefixd.daemon.status import RpcFailure, exhausted, invalid, status_of, unavailable
 from prefixd.storage.errors import StorageError
 
 log = logging.getLogger(__name__)
+
+ATTACH_REPLY_S = 0.25  # an Attach waiting for a new pool answers this long before its deadline
 
 
 def tokens_of(raw: bytes) -> bytes:
@@ -88,6 +89,14 @@ def _check_pool_fits(config, state_dir: str, layout: KVLayout) -> None:
                             f"operator for a smaller [engine.blocks.models.\"{layout.model_id}\"]")
 
 
+def attach_wait_s(remaining: float | None) -> float | None:
+    """How long an Attach waits for its pool: until ``ATTACH_REPLY_S`` before the call's
+    deadline (``remaining`` seconds away; None: no deadline, as long as it takes)."""
+    if remaining is None:
+        return None
+    return max(remaining - max(ATTACH_REPLY_S, remaining / 10), 0.0)
+
+
 async def _same_session(first, stream, session_id: int):
     """The chunks of one WriteKV stream, each checked to name the stream's session."""
     yield first
@@ -127,26 +136,32 @@ class PrefixCacheService(pb_grpc.PrefixCacheServicer):
         self.core.sessions.ping(session)
         return session
 
-    def _pool(self, layout: KVLayout):
+    async def _pool(self, layout: KVLayout, wait_s: float | None):
         """The tenant's pool of ``layout``; a new one only within the tenant's pool limit and
-        when its files fit (RESOURCE_EXHAUSTED otherwise).
+        when its files fit (RESOURCE_EXHAUSTED otherwise), made off the loop
+        (``OffLoop.pool``), waited for at most ``wait_s`` (then UNAVAILABLE: it is still
+        being made).
 
         NOTE: the engine writes a new pool's manifest before it makes the pool's files; a
-        pool whose files then fail is removed here, or every later start would fail opening it
-        (a single Attach with a huge layout bricked the daemon's next start).
+        pool whose files then fail is removed (``OffLoop._make``), or every later start would
+        fail opening it (a single Attach with a huge layout bricked the daemon's next start).
         """
         engine = self.core.engine
+        offloop = self.core.offloop
         mine = [info.layout for info in engine.pools() if info.tenant == self.tenant]
         if layout in mine:
             return engine.pool(self.tenant, layout)
-        _check_pool_fits(self.core.engine_config, self.core.state_dir, layout)
-        self.core.sessions.check_new_pool(self.tenant, len(mine))
-        path = engine.pool_path(self.tenant, layout)
+        if not offloop.is_making(self.tenant, layout):  # else its checks passed when it began
+            _check_pool_fits(self.core.engine_config, self.core.state_dir, layout)
+            self.core.sessions.check_new_pool(self.tenant, len(mine) + offloop.making(self.tenant))
         try:
-            return engine.pool(self.tenant, layout)
+            pool = await offloop.pool(engine, self.tenant, layout, wait_s)
         except StorageError as exc:
-            shutil.rmtree(path, ignore_errors=True)
             raise exhausted(f"cannot make a pool for layout {layout.model_id!r}: {exc}") from None
+        if pool is None:
+            raise unavailable(f"the pool for layout {layout.model_id!r} is being made (its files, "
+                              f"the first time a layout attaches): Attach again in a moment")
+        return pool
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -155,7 +170,11 @@ class PrefixCacheService(pb_grpc.PrefixCacheServicer):
         layout = layout_of(request.layout)
         name = request.client_name[:128] or "unnamed"
         admission.check_attach(self.core.engine_config, self.tenant, layout, request.max_model_len)
-        pool = self._pool(layout)
+        # a new layout's pool is made off the loop; the Attach waits for it until just before
+        # its deadline, then answers UNAVAILABLE (retry): never a deadline the client cannot
+        # know, and the session is made only once the pool is (a caller gone meanwhile leaves
+        # none behind)
+        pool = await self._pool(layout, attach_wait_s(context.time_remaining()))
         session = self.core.sessions.attach(self.tenant, name, layout, pool)
         return pb.AttachReply(session_id=session.id, lease_s=self.core.config.lease_s,
                               pools=pool_descriptors(pool), tenant=self.tenant,

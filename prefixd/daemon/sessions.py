@@ -39,7 +39,7 @@ class Session:
     layout: KVLayout
     pool: object  # the tenant's DurableCache for ``layout``
     attached_at: float
-    last_ping: float
+    last_ping: float  # on the table's ``LeaseClock``
     blocks: dict[int, int] = field(default_factory=dict)
     held: int = 0
     keepalive_streams: int = 0
@@ -60,6 +60,52 @@ class Session:
         self.held -= self.blocks.pop(seq_id, 0)
 
 
+class LeaseClock:
+    """Seconds the daemon's loop ran, advanced by its tick (``advance``), by at most
+    ``max_step_s`` a turn.
+
+    A tick that comes later than ``max_step_s`` after the one before means the loop did not
+    run meanwhile (the process was stopped, or something held the loop): that gap counts as
+    ``max_step_s``. So ``now()`` moves only while the daemon could read its clients' pings,
+    and a lease measured on it expires only when the daemon, running, heard nothing for the
+    lease. Pings read after a stall but before the tick that notices it are stamped with the
+    clock as it stood, which the stall's credit leaves within ``max_step_s`` of right.
+
+    NOTE: a clock of ticks, not ``time.monotonic()`` less the stalls found afterwards: the
+    latter stamps a ping read before the tick notices the stall with the stall's length ahead
+    of the clock, and gives that session a lease as long as the stall extra.
+
+    Invariants: ``now()`` never decreases; one ``advance`` adds at most ``max_step_s``.
+    """
+
+    def __init__(self, max_step_s: float, clock=time.monotonic) -> None:
+        if not max_step_s > 0:
+            raise ValueError(f"max_step_s must be > 0, got {max_step_s!r}")
+        self.max_step_s = float(max_step_s)
+        self._clock = clock
+        self._last = clock()
+        self._now = 0.0
+        self.stalled_s = 0.0  # wall time the clock did not count (stalls)
+
+    def now(self) -> float:
+        return self._now
+
+    def advance(self) -> float:
+        """One tick: count the time since the last one, at most ``max_step_s``; returns the
+        seconds not counted (0 unless the loop stalled)."""
+        wall = self._clock()
+        gap, self._last = wall - self._last, wall
+        step = min(max(gap, 0.0), self.max_step_s)
+        self._now += step
+        self.stalled_s += gap - step
+        return gap - step
+
+
+# How far one tick may move the lease clock: the tick runs every 0.1 s; a gap past this is a
+# stall (the loop did not run), not time in which pings could be read.
+MAX_LEASE_STEP_S = 0.25
+
+
 class SessionTable:
     """Every live session, by id; per-tenant totals for the limits.
 
@@ -67,10 +113,12 @@ class SessionTable:
     live sessions of ``len(blocks)`` / ``held``; no ended session is in ``_sessions``.
     """
 
-    def __init__(self, lease_s: float, limits: Limits | None = None) -> None:
+    def __init__(self, lease_s: float, limits: Limits | None = None,
+                 clock: LeaseClock | None = None) -> None:
         if not lease_s > 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s!r}")
         self.lease_s = float(lease_s)
+        self.clock = clock or LeaseClock(MAX_LEASE_STEP_S)
         self.limits = limits or Limits()
         self._sessions: dict[int, Session] = {}
         self.ended_total = 0
@@ -88,8 +136,7 @@ class SessionTable:
             sid = secrets.randbits(63)
             if sid and sid not in self._sessions:
                 break
-        now = time.monotonic()
-        session = Session(sid, tenant, name, layout, pool, now, now)
+        session = Session(sid, tenant, name, layout, pool, time.monotonic(), self.clock.now())
         self._sessions[sid] = session
         log.info("session attached session=%#x tenant=%s client=%s model=%s", sid, tenant,
                  name, layout.model_id)
@@ -108,7 +155,7 @@ class SessionTable:
         return session
 
     def ping(self, session: Session) -> None:
-        session.last_ping = time.monotonic()
+        session.last_ping = self.clock.now()
 
     def check_room(self, session: Session, new_seqs: int, new_blocks: int) -> None:
         """Raises RESOURCE_EXHAUSTED if ``session`` may not take that many more."""
@@ -165,9 +212,19 @@ class SessionTable:
                  session.id, session.tenant, session.name, reason, released)
         return released
 
+    def tick(self) -> int:
+        """The lease sweep, once per loop tick: advance the lease clock (a stall counts as one
+        step), then end every session whose lease ran out on it; returns how many ended."""
+        stalled = self.clock.advance()
+        if stalled > self.lease_s / 4 and self._sessions:
+            log.warning("loop stalled; leases not charged for it stalled_s=%.3f sessions=%d",
+                        stalled, len(self._sessions))
+        return self.expire()
+
     def expire(self, now: float | None = None) -> int:
-        """End every session whose lease ran out; returns how many."""
-        now = time.monotonic() if now is None else now
+        """End every session whose lease ran out on the lease clock (``now``: a reading of
+        it); returns how many."""
+        now = self.clock.now() if now is None else now
         stale = [s for s in self._sessions.values() if now - s.last_ping > self.lease_s]
         for session in stale:
             self.end(session, "lease expired")

@@ -1,10 +1,11 @@
-"""The engine's checkpoint: what one holds, when one is due, and taking one.
+"""The engine's checkpoint: what one holds and when one is due.
 
 A checkpoint folds the log into the whole index: ``dump`` / ``load`` turn the tree into a few
-columnar arrays (tree order) and back, ``CheckpointTrigger`` says when one is due, and ``take``
-writes one through the WAL, which stores it (``prefixd.wal.checkpoint_store``: chunked,
-checksummed values, and the log truncated in the same transaction). ``Upkeep.checkpoint`` runs
-``take`` once nothing is held behind a disk barrier.
+columnar arrays (tree order) and back, and ``CheckpointTrigger`` says when one is due. Taking
+one is ``Upkeep.checkpoint``: a picture of the state on the engine's thread, its bytes (the
+values ``dump_engine`` makes) anywhere (``prefixd.engine.checkpointer``), the write through the
+WAL, which stores it (``prefixd.wal.checkpoint_store``: chunked, checksummed values, and the
+log truncated in the same transaction).
 
 Layout (``index`` values; arrays are little-endian numpy buffers):
 
@@ -37,7 +38,6 @@ from typing import NamedTuple
 import msgpack
 import numpy as np
 
-from prefixd.crashpoints import crash_point
 from prefixd.engine.errors import StateFormatError
 from prefixd.cache.node import DEVICE, DISK, HOST, Node, new_root
 from prefixd.engine.packed_node import PackedNode, packed_checksums, packed_hashes
@@ -331,17 +331,6 @@ def dump_engine(cache, sessions: dict, recovered, file_ids: dict) -> tuple[dict[
     return dump(cache, meta, seqs)
 
 
-def take(wal, cache, sessions: dict, recovered, file_ids: dict) -> int:
-    """Write a checkpoint of ``cache`` (see ``dump_engine``) at the log's last lsn; returns it.
-    The caller has logged every event and holds none behind a disk barrier, so the dump holds
-    no effect whose record is not in the log before that lsn."""
-    index, seq_values = dump_engine(cache, sessions, recovered, file_ids)
-    lsn = wal.stats().next_lsn - 1
-    crash_point("checkpoint_dumped")
-    wal.checkpoint(lsn, index, seq_values)
-    return lsn
-
-
 class CheckpointTrigger:
     """When the log is folded into a checkpoint: after ``records`` records, or once replaying
     the records since the last one would decode ``blocks`` blocks (``records.Scan.blocks``; see
@@ -366,9 +355,11 @@ class CheckpointTrigger:
     def due(self) -> bool:
         return self.tail_records >= self.records or self.tail_blocks >= self.blocks
 
-    def taken(self) -> None:
-        """A checkpoint folded the whole log."""
-        self.tail_records = self.tail_blocks = 0
+    def taken(self, records: int, blocks: int) -> None:
+        """A checkpoint folded the ``records`` and ``blocks`` counted when it was pictured
+        (``Picture.take``); what was logged since counts towards the next one."""
+        self.tail_records = max(self.tail_records - records, 0)
+        self.tail_blocks = max(self.tail_blocks - blocks, 0)
 
     def check_invariants(self) -> None:
         assert self.tail_records >= 0 and self.tail_blocks >= 0, "negative checkpoint tail"

@@ -162,6 +162,9 @@ class DurableCache:
         "upkeep.trigger", "records", "Fold the log into a checkpoint after this many records (settable).")
     checkpoint_blocks = _delegated(
         "upkeep.trigger", "blocks", "... or once replaying the tail would decode this many blocks (settable).")
+    on_checkpoint_due = _delegated(
+        "upkeep", "on_checkpoint_due", "None: a due checkpoint is taken inline by the log step; "
+        "else called instead (the daemon runs the checkpoint's parts beside its loop).")
     event_listener = _delegated(
         "upkeep", "event_listener", "Called with each drained batch of cache events once they are "
         "logged (the daemon's KV-event journal); O(events), must not raise. None: nobody listens.")
@@ -369,6 +372,24 @@ class DurableCache:
         """Fold the log into a checkpoint of the current state (``Upkeep.checkpoint``);
         returns its lsn. Runs on the caller's thread; waits for held records and the write."""
         return self.upkeep.checkpoint()
+
+    # the checkpoint's parts, for a caller that runs them apart (``prefixd.daemon.offloop``)
+
+    def checkpoint_barrier(self):
+        """``Upkeep.checkpoint_barrier``: the disk barrier to wait for first, or None."""
+        return self.upkeep.checkpoint_barrier()
+
+    def begin_checkpoint(self):
+        """``Upkeep.begin_checkpoint``: settle and picture the state (the engine's thread)."""
+        return self.upkeep.begin_checkpoint()
+
+    def submit_checkpoint(self, picture, index: dict, seqs: dict) -> Future:
+        """``Upkeep.submit_checkpoint``: the picture's values to the log (any thread)."""
+        return self.upkeep.submit_checkpoint(picture, index, seqs)
+
+    def end_checkpoint(self, picture) -> None:
+        """``Upkeep.end_checkpoint``: after the write is durable (the engine's thread)."""
+        self.upkeep.end_checkpoint(picture)
 
     # -- recovered sequences -------------------------------------------------------------------
 

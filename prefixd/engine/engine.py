@@ -98,7 +98,7 @@ class Engine:
     root seed is its own, and TierStore names its files by root seed and layout digest).
 
     NOTE: one state subdirectory (own WAL, own pool files) per pool, not one WAL with a pool
-    id in every record: see docs/design.md "Engine: configuration and several pools".
+    id in every record: see docs/design.md "Several pools".
 
     Not thread-safe, like ``DurableCache``: one caller at a time.
     """
@@ -142,13 +142,33 @@ class Engine:
         dc = self._pools.get((tenant, layout))
         if dc is not None:
             return dc
+        return self.add_pool(tenant, layout, self.make_pool(tenant, layout))
+
+    def make_pool(self, tenant: str, layout: KVLayout) -> DurableCache:
+        """A new pool of ``tenant`` and ``layout``: its manifest and files made, the pool open,
+        but not yet one of the engine's (``add_pool``). Reads only the configuration, so it
+        may run on another thread than the engine's callers while they go on; the caller makes
+        sure no two makes of one pool overlap and none runs for a pool that exists.
+
+        Raises:
+            UnknownTenantError, TypeError: as ``pool``; whatever ``DurableCache`` raises.
+        """
+        self._check_open()
         conf = self.config.tenant(tenant)
         if conf is None:
             raise UnknownTenantError(tenant, [t.name for t in self.config.tenants])
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         _write_manifest(self.pool_path(tenant, layout), conf, layout)
-        dc = self._pools[(tenant, layout)] = self._open(conf, layout)
+        return self._open(conf, layout)
+
+    def add_pool(self, tenant: str, layout: KVLayout, dc: DurableCache) -> DurableCache:
+        """Make ``dc`` (from ``make_pool``) the engine's pool of ``tenant`` and ``layout``."""
+        self._check_open()
+        if (tenant, layout) in self._pools:
+            raise EngineError(f"a pool of tenant {tenant!r} and model {layout.model_id!r} "
+                              f"exists already: make each pool once")
+        self._pools[(tenant, layout)] = dc
         self._listen(dc, tenant, layout)
         log.info("pool created tenant=%s model=%s path=%s", tenant, layout.model_id,
                  self.pool_path(tenant, layout))

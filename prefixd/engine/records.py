@@ -73,7 +73,7 @@ def _u64(values) -> bytes:
 # ``codec.encode(kind, fields, blob)``'s (a test holds every type to that), without building the
 # ``(kind, fields, blob)`` tuple and going through ``encode``'s generic checks per record. A
 # request makes ~9.5 records, and the tuples and checks were a third of their cost on the
-# serving thread (docs/design.md, "The records' cost").
+# serving thread (docs/design.md, "The write order and free-before-reuse").
 
 def _pack(kind: Kind):
     return CODECS[kind].struct.pack

@@ -15,8 +15,9 @@ from __future__ import annotations
 import functools
 
 from prefixd.cache.node import DISK
-from prefixd.engine import checkpoint
+from prefixd.crashpoints import crash_point
 from prefixd.engine.checkpoint import CheckpointTrigger
+from prefixd.engine.checkpointer import Picture
 from prefixd.engine.quarantine import Quarantine
 from prefixd.engine.records import scan_events
 from prefixd.storage.errors import StorageError
@@ -54,7 +55,8 @@ class Upkeep:
 
     Fields: ``quarantine`` (the host and disk allocators' free-before-reuse, and their
     headroom), ``trigger``, ``event_listener`` (called with each batch of events once it is
-    submitted; must be O(events) and must not raise).
+    submitted; must be O(events) and must not raise), ``on_checkpoint_due`` (None: the log
+    step checkpoints inline; else called instead, and the caller runs the checkpoint's parts).
 
     Invariants (``check_invariants``): the quarantine's (headroom within its cap, no batch
     sealed past the last position) and the trigger's (its tail counts are what was submitted
@@ -73,6 +75,7 @@ class Upkeep:
         self.trigger = trigger
         self.quarantine = Quarantine(cache, order, spill_blocks)
         self.event_listener = None
+        self.on_checkpoint_due = None
 
     # -- the log step ----------------------------------------------------------------------------
 
@@ -112,7 +115,7 @@ class Upkeep:
         if self.cache.tiering.pending_disk_blocks >= self.spill_blocks:
             self.spill()
         if self.trigger.due():
-            self.checkpoint()
+            self.checkpoint_due()
         return pos
 
     def open_epoch(self, recovered) -> None:
@@ -196,16 +199,54 @@ class Upkeep:
         """What an ``open`` left undone when no other call came before the tick."""
         self.keep_headroom()
 
+    # -- checkpoint: a picture on the engine's thread, its bytes anywhere, the write on the log's
+    # committer (``prefixd.engine.checkpointer``); ``checkpoint`` runs the three in a row, the
+    # daemon runs them apart so that its loop serves meanwhile (``prefixd.daemon.offloop``)
+
+    def checkpoint_due(self) -> None:
+        """The log step's trigger fired (records or blocks since the last checkpoint)."""
+        if self.on_checkpoint_due is None:
+            self.checkpoint()
+        else:
+            self.on_checkpoint_due()
+
+    def checkpoint_barrier(self):
+        """The disk barrier (a Future) a checkpoint would wait for now, or None: a caller that
+        must not block waits for it first, then ``begin_checkpoint`` does not block."""
+        self.submit()
+        return self.order.pending_barrier()
+
+    @poison_on_storage_error
+    def begin_checkpoint(self) -> Picture:
+        """Settle the log and picture the state at its last lsn (on the engine's thread)."""
+        self.settle()  # every event logged, none held behind a disk barrier: the picture
+        # holds no effect whose record is not in the log before its ``lsn``
+        trigger = self.trigger
+        return Picture.take(self.cache, self.sessions, self.recovered.values(),
+                            self.store.file_ids, self.wal.stats().next_lsn - 1,
+                            trigger.tail_records, trigger.tail_blocks)
+
+    def submit_checkpoint(self, picture: Picture, index: dict, seqs: dict):
+        """Hand ``picture``'s values (``Picture.values``) to the log; returns the Future of
+        the write (any thread)."""
+        crash_point("checkpoint_dumped")
+        return self.wal.submit_checkpoint(picture.lsn, index, seqs)
+
+    @poison_on_storage_error
+    def end_checkpoint(self, picture: Picture) -> None:
+        """After ``picture``'s checkpoint is durable (on the engine's thread): the records
+        logged since the picture count towards the next one; free what the log allows."""
+        self.trigger.taken(picture.since_records, picture.tail_blocks)
+        self.release_durable()
+
     @poison_on_storage_error
     def checkpoint(self) -> int:
         """Fold the log into a checkpoint of the current state; returns its lsn."""
-        self.settle()  # every event logged, none held behind a disk barrier: the dump holds
-        # no effect whose record is not in the log before ``lsn``
-        lsn = checkpoint.take(self.wal, self.cache, self.sessions, self.recovered.values(),
-                              self.store.file_ids)
-        self.trigger.taken()
-        self.release_durable()
-        return lsn
+        picture = self.begin_checkpoint()
+        index, seqs = picture.values()
+        self.submit_checkpoint(picture, index, seqs).result()
+        self.end_checkpoint(picture)
+        return picture.lsn
 
     def check_invariants(self) -> None:
         self.quarantine.check_invariants()

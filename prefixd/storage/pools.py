@@ -19,6 +19,7 @@ serving path (docs/design.md, "Storage tiers").
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -34,6 +35,44 @@ from prefixd.storage.poolfile import PoolHeader
 log = logging.getLogger(__name__)
 
 POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in on first touch
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault the pages in writable, as MAP_POPULATE does
+
+
+def _libc_madvise():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        return None
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise = _libc_madvise() if POPULATE else None
+
+
+def _map_populated(fd: int, nbytes: int) -> mmap.mmap:
+    """``fd`` mapped shared, read-write, every page faulted in (``MAP_POPULATE``'s effect).
+
+    NOTE: populated by ``madvise(MADV_POPULATE_WRITE)`` through ctypes, which releases the
+    GIL for the call: CPython's ``mmap.mmap`` holds it through a ``MAP_POPULATE`` mapping,
+    and a pool made beside the daemon's event loop (``prefixd.daemon.offloop``) held the loop
+    for the whole populate (about a second for 768 MB of tmpfs). A kernel without
+    it (before 5.14) gets ``MAP_POPULATE``.
+    """
+    rw = mmap.PROT_READ | mmap.PROT_WRITE
+    if _madvise is None:
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED | POPULATE, rw)
+    mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, rw)
+    view = (ctypes.c_char * nbytes).from_buffer(mapping)
+    try:
+        done = _madvise(ctypes.addressof(view), nbytes, MADV_POPULATE_WRITE) == 0
+    finally:
+        del view
+    if done:
+        return mapping
+    mapping.close()
+    return mmap.mmap(fd, nbytes, mmap.MAP_SHARED | POPULATE, rw)
 
 
 def _open_or_create(path: str, header: PoolHeader, fresh: bool, file_id: bytes | None) -> tuple[int, PoolHeader]:
@@ -97,8 +136,7 @@ class TensorPool:
             return
         fd, header = _open_or_create(path, _header(layout, kind, num_blocks, file_id), fresh, file_id)
         try:
-            self._mmap = mmap.mmap(fd, header.file_bytes, mmap.MAP_SHARED | POPULATE,
-                                   mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mmap = _map_populated(fd, header.file_bytes)
         finally:
             os.close(fd)
         self.file_id = header.file_id

@@ -43,15 +43,34 @@ def _chunk_rows(items: dict[bytes, bytes]) -> list[tuple[bytes, bytes]]:
     for key, value in items.items():
         if not isinstance(key, bytes) or not 0 < len(key) <= MAX_USER_KEY:
             raise ValueError(f"checkpoint keys must be 1..{MAX_USER_KEY} bytes, got {key!r:.60}")
-        view = memoryview(value)
-        if view.ndim != 1 or view.itemsize != 1:
-            view = view.cast("B")
-        size = view.nbytes
-        for number, start in enumerate(range(0, max(size, 1), CHUNK_SIZE)):
-            chunk = view[start : start + CHUNK_SIZE]
+        for number, chunk in enumerate(_chunks(key, value)):
             rows.append((key + _SUFFIX.pack(number), _HASH.pack(_xxh3(chunk)) + chunk))
     rows.sort(key=lambda row: row[0])
     return rows
+
+
+def _chunks(key: bytes, value) -> list[memoryview]:
+    """``value``'s ``CHUNK_SIZE`` chunks: of one contiguous buffer, or checked when the value
+    is given as its list of chunks (each ``CHUNK_SIZE`` bytes but the last, which is not
+    empty unless it is the only one), stored exactly as the joined value would be."""
+    if isinstance(value, (list, tuple)):
+        chunks = [_bytes_view(c) for c in value]
+        sizes = [c.nbytes for c in chunks]
+        whole = all(n == CHUNK_SIZE for n in sizes[:-1])
+        if not chunks or not whole or sizes[-1] > CHUNK_SIZE or (not sizes[-1] and len(sizes) > 1):
+            raise ValueError(f"checkpoint value {key!r:.60} given as chunks must be chunks of "
+                             f"{CHUNK_SIZE} bytes (the last one shorter, not empty), got "
+                             f"{sizes[:4]}... ({len(sizes)} chunks)")
+        return chunks
+    view = _bytes_view(value)
+    return [view[start : start + CHUNK_SIZE] for start in range(0, max(view.nbytes, 1), CHUNK_SIZE)]
+
+
+def _bytes_view(buffer) -> memoryview:
+    view = memoryview(buffer)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    return view
 
 
 def write_checkpoint(txn: lmdb.Transaction, wenv: WalEnv, lsn: int,
@@ -62,7 +81,8 @@ def write_checkpoint(txn: lmdb.Transaction, wenv: WalEnv, lsn: int,
         txn: an open write transaction (committed by the caller).
         wenv: the environment (for the database handles).
         lsn: the lsn the checkpoint folds; must be >= the saved checkpoint lsn.
-        index, seqs: the checkpoint maps (values: any contiguous buffer).
+        index, seqs: the checkpoint maps (values: any contiguous buffer, or a list of
+            ``CHUNK_SIZE`` chunks, the last one shorter: ``_chunks``).
 
     Returns:
         How many log records were deleted.
@@ -76,9 +96,13 @@ def write_checkpoint(txn: lmdb.Transaction, wenv: WalEnv, lsn: int,
     for db, items in ((wenv.index, index), (wenv.seqs, seqs)):
         rows = _chunk_rows(items)
         txn.drop(db, delete=False)
-        consumed, added = txn.cursor(db=db).putmulti(rows, append=True)
-        if added != len(rows):
-            raise lmdb.Error(f"checkpoint put {added} of {len(rows)} chunks")
+        # NOTE: one put per chunk, not one ``putmulti`` of them all: a put copies one chunk
+        # holding the GIL, so a checkpoint written beside the daemon's event loop holds it
+        # from the loop for a chunk's copy at a time, not for the whole value's
+        cursor = txn.cursor(db=db)
+        for row_key, row_value in rows:
+            if not cursor.put(row_key, row_value, append=True):
+                raise lmdb.Error(f"checkpoint put of chunk {row_key[:40]!r} failed")
     put_u64(txn, wenv.meta, K_CHECKPOINT, lsn)
     return _truncate_log(txn, wenv, lsn)
 

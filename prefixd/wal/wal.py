@@ -236,7 +236,8 @@ class Wal:
         In ONE write txn: replace ``index``/``seqs`` wholly with the given maps, set the
         checkpoint lsn, delete every log record with lsn <= ``lsn``. Appends may continue
         meanwhile; they land in the groups after it. Values may be any contiguous buffer of any
-        size (chunked transparently). The caller must not mutate the buffers until it resolves.
+        size (chunked transparently), or a list of its chunks (``checkpoint_store._chunks``).
+        The caller must not mutate the buffers until it resolves.
 
         Args:
             lsn: the last lsn the checkpointed state includes; at most the last appended lsn and
