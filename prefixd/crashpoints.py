@@ -15,6 +15,10 @@ call sites and the kill -9 suite agree):
 - ``wal_checkpoint_inside``: log, inside the checkpoint's write transaction.
 - ``wal_before_commit``, ``wal_after_commit``: log, around a group's commit.
 - ``evict_inside``, ``promote_inside``: cache core, in the middle of an eviction / promotion.
+- ``extent_grown``: storage, a sparse pool file's extents fallocated (and fsynced), before the
+  slots in them are handed out.
+- ``extent_punched``: storage, one idle extent of a sparse pool file punched, before its
+  charge is released.
 
 NOTE: a name belongs to one site: an armed ``name:n`` counts passes, and passes of two sites
 under one name would make ``n`` mean nothing in particular.

@@ -60,3 +60,27 @@ class PoolFileMissingError(StorageError):
 
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
+
+
+class NoSpaceError(StorageError):
+    """A grow of a pool file met ENOSPC or EDQUOT: the filesystem (or the quota) has no room
+    for the bytes asked, although the budget had. The caller treats it as "no room" (evict,
+    or serve from another tier), never as a crash; nothing was charged to the budget.
+
+    Attributes:
+        path: the file that was growing.
+        needed_bytes: the bytes asked for.
+    """
+
+    def __init__(self, path: str, needed_bytes: int, detail: str = "") -> None:
+        self.path = path
+        self.needed_bytes = needed_bytes
+        super().__init__(f"no room to grow {path} by {needed_bytes} bytes ({_mib(needed_bytes)})"
+                         + (f": {detail}" if detail else "")
+                         + "; free space on its filesystem, or lower the tier's budget below "
+                           "what the filesystem holds")
+
+
+class BudgetExceededError(StorageError):
+    """A charge that does not fit its tier's budget (or its tenant's max, or would take
+    another tenant's reserved bytes): the caller charges only after ``can_charge``."""

@@ -134,21 +134,26 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def create_pool_file(path: str, header: PoolHeader) -> int:
+def create_pool_file(path: str, header: PoolHeader, allocate_bytes: int | None = None) -> int:
     """Create ``path`` fresh (replacing any file there) and return an O_RDWR fd to it.
 
+    Args:
+        allocate_bytes: allocate only the first this many bytes and leave the rest of the file
+            a hole (a sparse pool file, ``prefixd.storage.extents``); None: all of it.
     Raises:
-        SpaceError: if the filesystem cannot hold the whole file (nothing is left behind).
+        SpaceError: if the filesystem cannot hold what is allocated (nothing is left behind).
     """
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
     tmp = path + ".tmp"
     if os.path.exists(tmp):
         os.unlink(tmp)
-    check_space(directory, path, header.file_bytes)
+    allocate = header.file_bytes if allocate_bytes is None else min(allocate_bytes, header.file_bytes)
+    check_space(directory, path, allocate)
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
-        _allocate(fd, path, header.file_bytes)
+        os.ftruncate(fd, header.file_bytes)
+        _allocate(fd, path, allocate)
         os.pwrite(fd, header.encode(), 0)
         os.fsync(fd)
         os.rename(tmp, path)
@@ -158,16 +163,19 @@ def create_pool_file(path: str, header: PoolHeader) -> int:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    log.info("pool file created path=%s bytes=%d slots=%d", path, header.file_bytes, header.num_slots)
+    log.info("pool file created path=%s bytes=%d allocated=%d slots=%d", path, header.file_bytes,
+             allocate, header.num_slots)
     return fd
 
 
-def open_pool_file(path: str, expected: PoolHeader, expect_file_id: bool) -> tuple[int, PoolHeader]:
+def open_pool_file(path: str, expected: PoolHeader, expect_file_id: bool,
+                   sparse: bool = False) -> tuple[int, PoolHeader]:
     """Open an existing pool file and check its header against ``expected``.
 
     ``expected.file_id`` is compared only when ``expect_file_id`` is true (the caller knows it
     from its own durable state). A file shorter than its header says (truncated behind our back)
-    is extended back to full size: the lost slots read as zeros and fail their checksums.
+    is extended back to full size: the lost slots read as zeros and fail their checksums. A
+    ``sparse`` file is extended as a hole (its extents are allocated as they are used).
 
     Returns:
         (fd, the header found in the file).
@@ -182,7 +190,10 @@ def open_pool_file(path: str, expected: PoolHeader, expect_file_id: bool) -> tup
         if size < found.file_bytes:
             log.warning("pool file shorter than its header says, re-extending path=%s size=%d expected=%d",
                         path, size, found.file_bytes)
-            _allocate(fd, path, found.file_bytes)
+            if sparse:
+                os.ftruncate(fd, found.file_bytes)
+            else:
+                _allocate(fd, path, found.file_bytes)
     except BaseException:
         os.close(fd)
         raise

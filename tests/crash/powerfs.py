@@ -33,8 +33,9 @@ does to them too.
 Limits: only regular files and directories (no hard links, symlinks, devices: EOPNOTSUPP);
 xattrs and POSIX/flock locks are not implemented by the FS (the kernel keeps locks locally,
 which is right for one host); mode, owner and times are not modelled for durability; the
-namespace is never torn (an unsynced rename is lost as a whole); fallocate supports modes 0 and
-KEEP_SIZE only. Everything goes through Python: expect ~10-50k FS calls a second.
+namespace is never torn (an unsynced rename is lost as a whole); fallocate supports modes 0,
+KEEP_SIZE and PUNCH_HOLE | KEEP_SIZE (the range reads as zeros; durable like a write).
+Everything goes through Python: expect ~10-50k FS calls a second.
 """
 
 from __future__ import annotations

@@ -341,12 +341,21 @@ class PowerModel:
         node.mtime_ns = time.time_ns()
 
     def fallocate(self, path: str | None, mode: int, offset: int, length: int, fh: int | None) -> None:
-        """Mode 0 extends the size (zeros read back); KEEP_SIZE (1) is a no-op; others ENOTSUP."""
+        """Mode 0 extends the size (zeros read back); KEEP_SIZE (1) is a no-op; PUNCH_HOLE |
+        KEEP_SIZE (3) zeroes the range inside the file, like a write of zeros (durable at the
+        next fsync; a cut before it may keep the old bytes); others ENOTSUP."""
         node = self._file(path, fh)
         self.counters["fallocate"] += 1
         if mode == 0:
             if offset + length > node.live_size:
                 self._resize(node, offset + length)
+        elif mode == 3:
+            end = min(offset + length, node.live_size)
+            for idx in range(offset // PAGE_SIZE, (end - 1) // PAGE_SIZE + 1 if end > offset else 0):
+                page = self._page(node, idx)
+                lo, hi = max(idx * PAGE_SIZE, offset), min((idx + 1) * PAGE_SIZE, end)
+                page[lo - idx * PAGE_SIZE : hi - idx * PAGE_SIZE] = bytes(hi - lo)
+                node.dirty[idx] = page
         elif mode != 1:
             raise FsError(errno.EOPNOTSUPP, f"fallocate mode {mode:#x}")
 

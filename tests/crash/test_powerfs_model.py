@@ -26,7 +26,7 @@ def _random_run(tmp_path, seed: int, mode: str) -> None:
     fh = model.create("/f", 0o644, os.O_RDWR)
     live, durable, floor = bytearray(), b"", 0  # floor: lowest size since the last sync
     for _ in range(rng.randint(1, 40)):
-        op = rng.choice(["write", "write", "write", "truncate", "fsync", "fallocate", "read"])
+        op = rng.choice(["write", "write", "write", "truncate", "fsync", "fallocate", "punch", "read"])
         if op == "write":
             off, n = rng.randint(0, 6 * PAGE_SIZE), rng.randint(1, 3 * PAGE_SIZE)
             data = rng.randbytes(n)
@@ -42,6 +42,12 @@ def _random_run(tmp_path, seed: int, mode: str) -> None:
             off, n = rng.randint(0, 6 * PAGE_SIZE), rng.randint(1, 3 * PAGE_SIZE)
             model.fallocate(None, 0, off, n, fh)
             live[:] = _padded(bytes(live), max(len(live), off + n))
+        elif op == "punch":
+            off, n = rng.randint(0, 6 * PAGE_SIZE), rng.randint(1, 3 * PAGE_SIZE)
+            model.fallocate(None, 3, off, n, fh)
+            end = min(off + n, len(live))
+            if end > off:
+                live[off:end] = bytes(end - off)
         elif op == "fsync":
             model.fsync(None, rng.randint(0, 1), fh)
             durable, floor = bytes(live), len(live)
