@@ -24,26 +24,6 @@ FORBIDDEN = {
                                   r"\bmeasured (on|here|at|in)\b", re.I),
 }
 
-# TEMPORARY_ALLOW_LIST_UNTIL_MERGED: modules other branches rewrite at the same time, swept by
-# the lead after merging them (the offending lines are listed in notes/docs.md). Empty it then:
-# every module of prefixd/ is held to FORBIDDEN.
-TEMPORARY_ALLOW_LIST_UNTIL_MERGED = frozenset({
-    "prefixd/engine/",  # every module of the engine
-    "prefixd/daemon/service.py", "prefixd/daemon/admin_rpc.py", "prefixd/daemon/kv_rpc.py",
-    "prefixd/daemon/server.py", "prefixd/daemon/sessions.py", "prefixd/daemon/core.py",
-    "prefixd/daemon/lifecycle.py",
-    "prefixd/client/session.py", "prefixd/client/attachment.py", "prefixd/client/ctl.py",
-    "prefixd/client/wire.py", "prefixd/client/vllm/",
-    "prefixd/storage/remote",  # remote.py and its parts
-    "prefixd/tools/daemon_proc.py",
-})
-
-
-def _allowed(rel: str) -> bool:
-    return any(rel == entry or (entry.endswith(("/", "remote")) and rel.startswith(entry))
-               for entry in TEMPORARY_ALLOW_LIST_UNTIL_MERGED)
-
-
 def offending_lines(text: str) -> list[tuple[int, str, str]]:
     """``(line number, what, line)`` for every line of ``text`` that cites history."""
     found = []
@@ -58,8 +38,6 @@ def test_no_history_in_prefixd_modules():
     problems = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if _allowed(rel):
-            continue
         problems += [f"{rel}:{n}: {what}: {line}" for n, what, line in offending_lines(path.read_text())]
     assert not problems, "say what the code does and why, without history:\n" + "\n".join(problems)
 
@@ -89,9 +67,3 @@ def test_each_kind_of_history_is_caught(line):
 ])
 def test_present_tense_reasons_pass(line):
     assert not offending_lines(line), line
-
-
-def test_allow_list_names_only_existing_paths():
-    """An entry left over after its module moved would silently exempt nothing, or a new module."""
-    for entry in TEMPORARY_ALLOW_LIST_UNTIL_MERGED:
-        assert list(ROOT.glob(entry.rstrip("/") + ("*" if not entry.endswith(".py") else ""))), entry

@@ -1,5 +1,6 @@
-"""The daemon ``bench/rpc.py`` measures: its own ``prefixd serve`` process (as
-``tests/daemon/harness.py`` starts one), optionally under cProfile, and what its log holds.
+"""The daemon ``bench/rpc.py`` measures: its own ``prefixd serve`` process (started by
+``prefixd.tools.daemon_proc``, as the tests' and the demo's are), optionally under cProfile,
+and what its log holds.
 
 The state directory and socket sit in a short ``/tmp`` directory (a Unix socket path holds 107
 bytes) on the same file system as the floor's LMDB environment; the pools live in a fresh
@@ -11,21 +12,16 @@ from __future__ import annotations
 import glob
 import os
 import shutil
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 
 import lmdb
 
 from affinity import preexec
-from prefixd.tools.daemon_proc import wait_serving
+from prefixd.tools.daemon_proc import DaemonFailed, DaemonProc
 from prefixd.wal.codec import decode, unpack_key
 from prefixd.wal.env import MAX_DBS
 from prefixd.wal.kinds import Kind
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CONFIG = """
 [engine]
@@ -48,14 +44,30 @@ lease_s = 30.0
 """
 
 
-class BenchDaemon:
-    """One daemon process over ``base/state`` on ``base/s.sock``; a context manager.
+_PROFILED = """
+import atexit, cProfile, runpy, sys
+profile = cProfile.Profile()
+atexit.register(profile.dump_stats, {profile!r})
+sys.argv = sys.argv[1:]
+profile.enable()
+if sys.argv[0] == "-m":
+    sys.argv = sys.argv[1:]
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+else:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+class BenchDaemon(DaemonProc):
+    """One daemon process over ``base/state`` on ``base/run/s.sock`` (``DaemonProc``, the one
+    helper that starts a daemon), its pools in ``/dev/shm``; a context manager that starts it
+    and, on leaving, stops it (SIGTERM: a profile is written) and removes both directories.
 
     Args:
         blocks: ``(device, host, disk)`` blocks of the gsp layout's pool.
         tiny: ``(model_id, device blocks)`` of the KV / Attend layout's pool.
-        profile: a path: run the daemon under ``python -m cProfile -o profile`` (written at
-            the clean stop).
+        profile: a path: run the daemon under cProfile, its stats written there at the clean
+            stop (by an exit handler: ``_PROFILED``).
         entry: what follows the interpreter instead of ``-m prefixd.daemon.cli`` (a script
             that wraps the daemon).
         sync: ``[engine] sync`` (``"commit"``: what ``bench/rpc.py`` measures; ``"none"``: a
@@ -67,63 +79,38 @@ class BenchDaemon:
     def __init__(self, blocks: tuple[int, int, int], tiny: tuple[str, int],
                  profile: str | None = None, entry: list[str] | None = None, sync: str = "commit",
                  cpus: frozenset[int] | None = None, env: dict[str, str] | None = None) -> None:
-        self.base = tempfile.mkdtemp(prefix="pdb-", dir="/tmp")
-        self.shm = tempfile.mkdtemp(prefix="prefixd-bench-", dir="/dev/shm")
-        self.state_dir = os.path.join(self.base, "state")
-        self.socket = os.path.join(self.base, "s.sock")
-        self.config_path = os.path.join(self.base, "prefixd.toml")
-        self.log_path = os.path.join(self.base, "daemon.log")
         device, host, disk = blocks
-        with open(self.config_path, "w") as f:
-            f.write(CONFIG.format(shm=self.shm, device=device, host=host, disk=disk,
-                                  tiny=tiny[0], tiny_device=tiny[1], sync=sync))
-        self.profile = profile
-        self.entry = entry or ["-m", "prefixd.daemon.cli"]
-        self.cpus = cpus
-        self.env = dict(env or {})
-        self.proc: subprocess.Popen | None = None
-        self._log = None
+        self.shm = tempfile.mkdtemp(prefix="prefixd-bench-", dir="/dev/shm")
+        # the daemon ends its process itself (server.py's NOTE at _shutdown): the profile is
+        # written by an exit handler, which it runs
+        prof = ["-c", _PROFILED.format(profile=profile)] if profile else []
+        super().__init__(tempfile.mkdtemp(prefix="pdb-", dir="/tmp"), config=CONFIG,
+                         device=device, host=host, disk=disk, shm_dir=self.shm, env=env,
+                         entry=prof + (entry or ["-m", "prefixd.daemon.cli"]),
+                         fields=dict(tiny=tiny[0], tiny_device=tiny[1], sync=sync),
+                         preexec_fn=preexec(cpus))
 
     def __enter__(self) -> "BenchDaemon":
-        self._log = open(self.log_path, "ab")
-        prof = ["-m", "cProfile", "-o", self.profile] if self.profile else []
-        self.proc = subprocess.Popen(
-            [sys.executable, *prof, *self.entry, "serve", "--config",
-             self.config_path, "--state-dir", self.state_dir, "--socket", self.socket],
-            stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT,
-            env=dict(os.environ, **self.env, PYTHONPATH=ROOT), preexec_fn=preexec(self.cpus))
         try:
-            wait_serving(self.proc, self.socket, 120.0, self.log)
+            self.start(120.0)
         except BaseException:
             self.__exit__()
             raise
         return self
 
-    def stop(self) -> int:
+    def stop(self, timeout: float = 120.0) -> int:
         """SIGTERM (a clean stop writes the profile); returns the exit status."""
-        if self.proc is None:
-            return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        try:
+            return super().stop(timeout)
+        except DaemonFailed:
+            return self.proc.returncode
 
     def log(self) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read().decode("utf-8", "replace")[-8000:]
-        except OSError:
-            return ""
+        return self.log_tail(8000)
 
     def __exit__(self, *exc) -> None:
         self.stop()
-        if self._log is not None:
-            self._log.close()
-        shutil.rmtree(self.base, ignore_errors=True)
+        super().close()
         shutil.rmtree(self.shm, ignore_errors=True)
 
     # -- the log ---------------------------------------------------------------------------------

@@ -33,10 +33,9 @@ from prefixd.client.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
-# NOTE: 1 s. On the 2-core dev host at load 16 a healthy daemon's open + release had a p99 of
-# 77 ms but a worst call of ~0.5 s (bench/faults.py ``healthy``), so 500 ms tripped the breaker
-# on a daemon that was only slow; 1 s is twice that worst, and a hung daemon costs one call
-# 1 s once per outage (against 5 s on every request before the breaker).
+# NOTE: 1 s: twice the worst call of a healthy daemon on two loaded cores (~0.5 s, where
+# the p99 is ~80 ms), so a daemon that is only slow does not trip the breaker, while a hung one
+# costs one call 1 s once per outage (docs/design.md, "When the daemon does not answer").
 DEFAULT_REQUEST_TIMEOUT_MS = 1000.0
 
 

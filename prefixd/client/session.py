@@ -83,8 +83,8 @@ def connect(socket_path: str, layout: KVLayout, name: str = "prefixd-client", *,
     Raises:
         Unavailable: no daemon answered (within the backoff's total when ``reconnect``);
         InvalidArgument: the daemon refused the layout; ResourceExhausted: the pool cannot hold
-        one request of ``max_model_len`` (the message names the config key); MappingError: ``mapped=True`` and the
-        pool cannot be mapped.
+        one request of ``max_model_len`` (the message names the config key); MappingError:
+        ``mapped=True`` and the pool cannot be mapped.
     """
     return Session(socket_path, layout, name, mapped=mapped, lease_renew=lease_renew, reconnect=reconnect,
                    backoff=backoff, timeout_s=timeout_s, request_timeout_ms=request_timeout_ms,
@@ -126,8 +126,8 @@ class Session:
     pool = _attached("pool", "The mapped device pool (``MappedPool``), or None (KV over the rpcs).")
     recoveries = _attached("recoveries", "How many recoveries re-attached this session.")
     mapped = _attached("mapped", "True when KV and attention go through the mapped pool.")
+    breaker = _attached("breaker", "The fail-fast breaker (``request_timeout_ms``), or None.")
     lease_held = _attached("lease_held", "True while the keep-alive stream is up (``Attachment.lease_held``).")
-    breaker = _attached("breaker", "The circuit breaker (``Attachment.breaker``; None without ``request_timeout_ms``).")
     # what the calls below use of the attachment: its stub, deadline, live handles and call path
     _stub = _attached("_stub")
     _timeout = _attached("_timeout")

@@ -53,7 +53,7 @@ def serve_command(args) -> int:
         engine_config, config = source.load()
         setup_logging(config.log_level)
         state_dir = os.path.abspath(args.state_dir or default_state_dir())
-        daemon = Daemon(state_dir, engine_config, config, source)
+        daemon = Daemon(state_dir, engine_config, config, source, end_process=True)
         keep_message_buffers()  # a process-wide policy: KV messages are MiBs (heap.py)
         log.info("torch intra-op threads=%d", limit_intra_op_threads())  # core.py's NOTE
         return event_loop.run(daemon.run)  # uvloop's when installed (event_loop.py)

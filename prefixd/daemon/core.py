@@ -36,10 +36,9 @@ def limit_intra_op_threads() -> int:
     NOTE: Attend's kernel runs on a compute thread, not the process's first thread, and
     libgomp (torch's OpenMP on Linux) counts a team started there on top of that first
     thread: a team as wide as the CPUs makes it "throttled", and its workers sleep on a futex
-    between the kernel's many small parallel regions instead of spinning. On this 2-CPU host a
-    decode step of ``bench/rpc.py``'s attend section took 12-14 ms so (~80 futex waits a
-    call), 5.5-8 ms on the first thread, 7.6-10.7 ms single-threaded and 7.4-8.5 ms in two
-    single-threaded halves (``docs/design.md``, "Attend's kernel and libgomp").
+    between the kernel's many small parallel regions instead of spinning: a decode step takes
+    about half as long single-threaded, or split over single-threaded compute threads, as in
+    a throttled team (``docs/design.md``, "Daemon": "Attend's kernel leaves the loop").
     """
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
@@ -75,6 +74,9 @@ class DaemonCore:
         self.offloop = OffLoop()  # checkpoints and new pools, beside the loop (``offloop``)
         self.metrics = None  # the Prometheus endpoint (``metrics_http.MetricsExporter``), if started
         self.in_flight = 0
+        # unary calls matched and not yet finished on the wire (their status sent): a clean
+        # stop waits for none before the process ends (``server.Daemon._drain``)
+        self.open_calls = 0
         self.progress = RecoveryProgress()  # records replayed / to replay while recovering
         self.keepalive_tasks: set = set()  # KeepAlive handlers' tasks, cancelled at a stop
         # KV events for routers, per tenant (fed by the engine once it serves; SubscribeEvents)
@@ -86,6 +88,10 @@ class DaemonCore:
         self.compute_threads = compute_threads()
         self.compute = ThreadPoolExecutor(max_workers=self.compute_threads,
                                           thread_name_prefix="prefixd-attend")
+
+    def call_closed(self, _context=None) -> None:
+        """A unary call finished (its status sent): the done callback ``rpc_call.rpc`` sets."""
+        self.open_calls -= 1
 
     def check_serving(self) -> None:
         """Raises UNAVAILABLE unless the daemon serves."""

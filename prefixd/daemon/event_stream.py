@@ -12,8 +12,9 @@ entries. The stream ends with a status:
 - UNAVAILABLE: the daemon is stopping (``EventJournals.close`` at SIGTERM, before the drain);
 - NOT_FOUND: the session the request named ended (or is not one of this socket's tenant).
 
-NOTE: the stream is not counted ``in_flight``: the drain at a stop waits for calls that
-finish by themselves, and a subscription only ends when told to.
+NOTE: the stream is not counted ``in_flight`` (the drain at a stop waits for calls that
+finish by themselves, and a subscription only ends when told to) but is one of
+``open_calls``: the stop ends it, then waits (within the grace) until its UNAVAILABLE went out.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def encode(entry: JournalEntry, epoch: int) -> pb.KVEvent:
 async def subscribe_events(core, tenant: str, request, context):
     """The rpc's body (an async generator of ``KVEvent``); see the module docstring."""
     core.calls["SubscribeEvents"] += 1
+    core.open_calls += 1
+    context.add_done_callback(core.call_closed)
     journal = sub = None
     try:
         core.check_serving()

@@ -1,5 +1,5 @@
-"""The KV data path over RPC: ``WriteKV``, ``ReadKV`` and ``Attend`` (DESIGN.md "The API"; issue 11
-item 5). The pool descriptors a client maps instead are ``prefixd.daemon.pool_descriptors``.
+"""The KV data path over RPC: ``WriteKV``, ``ReadKV`` and ``Attend`` (DESIGN.md "The API").
+The pool descriptors a client maps instead are ``prefixd.daemon.pool_descriptors``.
 
 For clients that cannot map the pools (another user, a container), KV travels through the
 socket as ``KVChunk`` messages: the KV of tokens ``start .. start + num_tokens`` of one
@@ -28,10 +28,10 @@ NOTE (Attend's kernel leaves the loop): ``prepare_attend`` checks, writes the ne
 builds the arguments on the loop, and returns the kernel as an ``AttendJob`` the servicer runs
 in parts on its compute threads (``DaemonCore.compute``; ``attend`` runs it inline, for tests).
 On a GPU the launch is asynchronous and the wait is the output's copy to the host; on a CPU
-pool the reference kernel does the work: measured ~70 ms for a decode step of 16 sequences x
-2k tokens of the tiny layout (4 layers, 2 KV heads, head_dim 64, float16) on the shared 2-core
-dev host, against ~1 ms of checks, tables and encoding around it -- long enough that the loop
-should not wait for it.
+pool the reference kernel does the work: ~70 ms for a decode step of 16 sequences x 2k
+tokens of a tiny layout (4 layers, 2 KV heads, head_dim 64, float16) on two cores, against
+~1 ms of checks, tables and encoding around it -- long enough that the loop should not wait
+for it.
 """
 
 from __future__ import annotations

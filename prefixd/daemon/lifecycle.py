@@ -12,17 +12,16 @@
 - ``RELOADING=1`` / ``READY=1`` around a config reload (``prefixd.daemon.reload``),
   ``STOPPING=1`` when a stop begins.
 
-NOTE (test-only stall): ``PREFIXD_TEST_WATCHDOG_STALL=<path>`` makes ``probe`` block the
-event loop while ``<path>`` exists, as a hung engine call would; it is read once at import,
-and the sd_notify tests use it to show that a stalled serving loop stops the pings. SIGSTOP
-would not show it: it stops every thread, a thread-based pinger included.
+NOTE: the watchdog calls ``probe`` through this module's global, so a test's launcher
+(``tests/daemon/launcher.py``) can wrap it to stall the serving loop as a hung engine call
+would; SIGSTOP would not show a stalled loop: it stops every thread, a thread-based pinger
+included.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 
 import grpc
@@ -36,7 +35,6 @@ log = logging.getLogger(__name__)
 STATUS_PERIOD_S = 0.5  # recovery progress on STATUS=
 PROGRESS_LOG_S = 5.0  # ... and in the log (journald), at most this often while it moves
 READY_CHECK_TIMEOUT_S = 5.0
-_STALL_FILE = os.environ.get("PREFIXD_TEST_WATCHDOG_STALL", "")
 
 
 def probe(core: DaemonCore) -> int:
@@ -45,8 +43,6 @@ def probe(core: DaemonCore) -> int:
     Raises whatever the engine raises, and the failure of any pool's log (a poisoned log
     acknowledges nothing more: a restart is what recovers it).
     """
-    while _STALL_FILE and os.path.exists(_STALL_FILE):  # test-only, see the module NOTE
-        time.sleep(0.05)
     pools = core.engine.pool_items()
     for _, dc in pools:
         if dc.wal.failure is not None:

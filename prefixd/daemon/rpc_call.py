@@ -31,6 +31,8 @@ def rpc(fn):
         core = self.core
         core.calls[name] += 1
         core.in_flight += 1
+        core.open_calls += 1
+        context.add_done_callback(core.call_closed)  # once the status went out (a stop waits)
         t0 = perf_counter()
         status = "CANCELLED"
         counted = False

@@ -9,9 +9,11 @@ Order at start (each step only after the one before succeeded):
 3. the engine opens (recovers) on a worker thread; then health says SERVING and every rpc is
    served, and a tick task runs the engine's periodic work and the lease sweep.
 
-SIGTERM / SIGINT: stop accepting, end the KeepAlive streams (sessions are not ended: their
-sequences stay in the log for a Reclaim after the restart), let in-flight calls finish within
-``shutdown_grace_s``, checkpoint, close the engine, remove the sockets, exit 0.
+SIGTERM / SIGINT: refuse new calls UNAVAILABLE, end the KeepAlive streams (sessions are not
+ended: their sequences stay in the log for a Reclaim after the restart), let the calls in
+flight finish and their answers go out (within ``shutdown_grace_s``), remove the sockets,
+checkpoint, close the engine, and end the process (exit 0) with the gRPC servers never shut
+down: see ``_shutdown``'s NOTE.
 
 Under systemd (``prefixd.daemon.lifecycle``): STATUS= while recovering, READY=1 once every
 socket answers, WATCHDOG=1 from the loop, STOPPING=1 at a stop. SIGHUP, or a change to the
@@ -22,6 +24,7 @@ restart).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import errno
 import grp
 import logging
@@ -68,8 +71,9 @@ class Daemon:
     """
 
     def __init__(self, state_dir: str, engine_config: EngineConfig, config: DaemonConfig,
-                 source: ConfigSource | None = None) -> None:
+                 source: ConfigSource | None = None, *, end_process: bool = False) -> None:
         self.state_dir = os.path.abspath(state_dir)
+        self.end_process = end_process  # run() ends the process itself (``_shutdown``'s NOTE)
         self.core = DaemonCore(engine_config, config, self.state_dir)
         # sd_notify (READY, STATUS, WATCHDOG, STOPPING) and the config reload: see lifecycle.py
         self.lifecycle = Lifecycle(self.core)
@@ -132,7 +136,14 @@ class Daemon:
         await self.lifecycle.serving(list(self._bound))  # READY=1, then the watchdog loop
         self.reloader.serving()
         await self._stop.wait()
-        return await self._shutdown(ticker)
+        status = await self._shutdown(ticker)
+        if self.end_process:
+            # the exit handlers (a profiler's, a wrapper's) and the log's flush run; nothing
+            # else of the interpreter's exit does (it would shut the servers down)
+            atexit._run_exitfuncs()
+            logging.shutdown()
+            os._exit(status)
+        return status
 
     def stop(self) -> None:
         """Begin a clean stop (what SIGTERM does)."""
@@ -184,6 +195,19 @@ class Daemon:
     # -- stopping ------------------------------------------------------------------------------
 
     async def _shutdown(self, ticker: asyncio.Task) -> int:
+        """Stop serving and close the engine; returns the exit status.
+
+        NOTE: the gRPC servers are never shut down. ``grpc.aio``'s ``server.stop`` (gRPC
+        core's server shutdown) answers CANCELLED to every call its transport had read but
+        not yet handed to a handler, and to every call read before the client saw the GOAWAY;
+        on a loaded host some of those are calls a client sent before the SIGTERM, and
+        CANCELLED leaves it unable to tell whether its commit happened. Instead every call a
+        handler takes from the SIGTERM on is refused UNAVAILABLE (``check_serving``), the
+        stop waits until no call is running or unanswered (``_drain``: ``open_calls`` falls
+        when a call's status went out), and the process ends with the servers up
+        (``end_process``): the kernel closes the connections, and a call never handed to a
+        handler fails UNAVAILABLE on its client, as at a crash.
+        """
         core = self.core
         core.state = STOPPING
         self.lifecycle.stopping()
@@ -195,11 +219,22 @@ class Daemon:
             task.cancel()
         core.events.close()  # SubscribeEvents streams end UNAVAILABLE, naming where to resume
         await self._drain(core.config.shutdown_grace_s)
-        await self._close_servers(core.config.shutdown_grace_s)
-        # a kernel still running past the grace reads the pools: it ends before they close
-        await asyncio.get_running_loop().run_in_executor(None, core.compute.shutdown)
+        self._unlink_sockets()
         ticker.cancel()
         self._stop_metrics()
+        if core.open_calls and not core.in_flight:
+            log.warning("answers not sent within shutdown_grace_s=%.1f: their clients see the "
+                        "connection close (UNAVAILABLE) calls=%d", core.config.shutdown_grace_s,
+                        core.open_calls)
+        if core.in_flight:
+            # a call still runs on the engine: closing it under the call is not safe, and the
+            # log holds everything acknowledged, as after a crash
+            log.error("calls still running after shutdown_grace_s=%.1f, stopping without a "
+                      "checkpoint (the next start replays the log) in_flight=%d",
+                      core.config.shutdown_grace_s, core.in_flight)
+            return 1
+        # a kernel still running (its call gone) reads the pools: it ends before they close
+        await asyncio.get_running_loop().run_in_executor(None, core.compute.shutdown)
         await core.offloop.drain()  # checkpoints the engine started, pools being made
         status = 0
         try:  # beside the loop, which still answers signals and the watchdog
@@ -229,29 +264,27 @@ class Daemon:
             self._watch = None
 
     async def _drain(self, grace: float) -> None:
-        """Wait (at most ``grace`` s) until no call is in flight for a few loop turns, the
-        servers still accepting: a call arriving meanwhile is refused UNAVAILABLE by its
-        handler (``check_serving``: the state is ``stopping``).
-
-        NOTE: a stopped ``grpc.aio`` server answers the calls it received but had not started
-        with CANCELLED, which tells a client nothing (did its commit happen?); UNAVAILABLE says
-        it did not, retry after the restart. Found by tests/daemon/test_leases.py (SIGTERM).
-        """
+        """Wait (at most ``grace`` s) until no call runs in a handler and every answer went
+        out. The servers still accept meanwhile: a call arriving is refused UNAVAILABLE by its
+        handler (``check_serving``: the state is ``stopping``)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
-        quiet = 0
-        while quiet < 3 and loop.time() < deadline:
-            quiet = quiet + 1 if not self.core.in_flight else 0
-            await asyncio.sleep(0.01)
+        while (self.core.in_flight or self.core.open_calls) and loop.time() < deadline:
+            await asyncio.sleep(0.005)
 
-    async def _close_servers(self, grace: float) -> None:
-        await asyncio.gather(*(server.stop(grace) for server, _ in self._servers),
-                             return_exceptions=True)
+    def _unlink_sockets(self) -> None:
+        """Remove the socket files: a client connecting from now on finds none (UNAVAILABLE)."""
         for path in self._bound:
             try:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+
+    async def _close_servers(self, grace: float) -> None:
+        """Shut the servers down (a start that failed: no call was ever served)."""
+        await asyncio.gather(*(server.stop(grace) for server, _ in self._servers),
+                             return_exceptions=True)
+        self._unlink_sockets()
         self._servers.clear()
         self._bound.clear()
 

@@ -67,7 +67,7 @@ class LeaseClock:
     A tick that comes later than ``max_step_s`` after the one before means the loop did not
     run meanwhile (the process was stopped, or something held the loop): that gap counts as
     ``max_step_s``. So ``now()`` moves only while the daemon could read its clients' pings,
-    and a lease measured on it expires only when the daemon, running, heard nothing for the
+    and a lease timed by it expires only when the daemon, running, heard nothing for the
     lease. Pings read after a stall but before the tick that notices it are stamped with the
     clock as it stood, which the stall's credit leaves within ``max_step_s`` of right.
 

@@ -14,8 +14,9 @@ follows each step (quarantine release, headroom, spill, the checkpoint trigger).
 
 Not thread-safe: one caller at a time (the daemon serializes cache operations on one thread).
 Internal threads: the WAL's committer, the disk writer and the disk sync thread; tickets
-resolve on them, so a ticket's callbacks must not call back into the cache (an asyncio loop
-uses ``asyncio.wrap_future``, which hands the result to the loop's own thread).
+resolve on them, so a ticket's callbacks must not call back into the cache (the daemon's
+``prefixd.daemon.ack_wait.durable`` hands the result to the loop's own thread with
+``call_soon_threadsafe``).
 """
 
 from __future__ import annotations
@@ -239,8 +240,10 @@ class DurableCache:
 
         Never waits for an fsync. The ticket is a ``concurrent.futures.Future`` resolved with the
         number of blocks that entered the index once they are as durable as asked (already done
-        at ``index``). An asyncio loop awaits it with ``await asyncio.wrap_future(ticket)`` (a
-        done-callback wakes the loop: no thread per waiter). Until it resolves, nothing about
+        at ``index``). An asyncio loop awaits it through a done-callback that settles a loop
+        future with ``call_soon_threadsafe`` (``prefixd.daemon.ack_wait.durable``: no thread per
+        waiter); never ``asyncio.wrap_future``, which cancels the ticket when the awaiting task is
+        cancelled. Until it resolves, nothing about
         this commit may be acknowledged to anyone.
 
         Raises (at once, nothing indexed): UnknownSequence, ValueError (bad durability),

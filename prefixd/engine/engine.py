@@ -98,7 +98,7 @@ class Engine:
     root seed is its own, and TierStore names its files by root seed and layout digest).
 
     NOTE: one state subdirectory (own WAL, own pool files) per pool, not one WAL with a pool
-    id in every record: see docs/design.md "Engine: configuration and several pools".
+    id in every record: see docs/design.md "Several pools".
 
     Not thread-safe, like ``DurableCache``: one caller at a time.
     """

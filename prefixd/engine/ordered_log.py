@@ -23,13 +23,13 @@ and every open and later ticket fails with it.
 NOTE: a barrier holds back every later record, not just those naming disk slots: replay applies
 records in log order and splits runs where a record names a block inside one, so a BLOCK_MOVE
 to disk appended after a later BLOCK_DROP of the same run (or a split of it) would not replay.
-See docs/design.md "Durability: the write order and recovery".
+See docs/design.md "The write order and free-before-reuse".
 
 NOTE: records are encoded when they are appended (``records.encode_events``), not when they
 are submitted: held behind a barrier, which is most of the time under a steady load (a spill's
 fdatasync takes milliseconds), they are encoded on the thread that resolves it, a batch at a
 time, off the serving thread, where encoding one record at a time cost ~5 us each in cold
-caches (docs/design.md, "The records' cost"). This relies on the events being immutable once
+caches (docs/design.md, "The write order and free-before-reuse"). This relies on the events being immutable once
 made (``prefixd.cache.events``): a payload list changed in place later would be logged as
 changed. ``tests/engine/test_ordered_log.py`` holds the engine to it.
 

@@ -46,7 +46,7 @@ RECORDS_VERSION = 3  # 1: moves and drops named every block; 2: device moves car
 
 # NOTE: ``array`` rather than ``numpy.asarray(values, "<u4")``: numpy converts a list of Python
 # ints element by element through its dtype discovery and an overflow-checked setitem (~2 us
-# for a 23-slot run, a quarter of ``_submit_events`` in a callgrind of the engine bench);
+# for a 23-slot run, a quarter of the cost of submitting a commit's events);
 # ``array`` packs the same bytes in a third of that and raises OverflowError alike.
 assert array("I").itemsize == 4 and array("Q").itemsize == 8, "array codes I/Q must be u32/u64"
 _SWAP = sys.byteorder != "little"
@@ -73,7 +73,7 @@ def _u64(values) -> bytes:
 # ``codec.encode(kind, fields, blob)``'s (a test holds every type to that), without building the
 # ``(kind, fields, blob)`` tuple and going through ``encode``'s generic checks per record. A
 # request makes ~9.5 records, and the tuples and checks were a third of their cost on the
-# serving thread (docs/design.md, "The records' cost").
+# serving thread (docs/design.md, "The write order and free-before-reuse").
 
 def _pack(kind: Kind):
     return CODECS[kind].struct.pack

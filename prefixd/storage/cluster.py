@@ -1,4 +1,4 @@
-"""The cluster tier's client: content-addressed, immutable blocks in a Redis Cluster (issue 15).
+"""The cluster tier's client: content-addressed, immutable blocks in a Redis Cluster.
 
 ``ClusterStore`` is the storage half of the cluster tier; the engine owns the policy (what to
 write behind, when to ask, where to promote). Every failure of the cluster is a miss or a skipped
@@ -50,8 +50,8 @@ class ClusterStore:
     block by block would cost a round trip per block; asking in waves would save bytes only when
     the cluster holds a short run, which the engine's own index usually already predicts.
 
-    NOTE: a token mismatch deletes the value too (issue 15: "a mismatch is never served, it is
-    counted and the value is deleted"). With 128-bit chained hashes a real collision is not
+    NOTE: a token mismatch deletes the value too (a mismatch is never served, it is counted
+    and the value is deleted). With 128-bit chained hashes a real collision is not
     expected, so a mismatch means a writer bug; deleting costs at most a rewrite by the owner.
 
     Thread-safe: ``put`` and ``get_run`` may run at once on different threads (each thread has

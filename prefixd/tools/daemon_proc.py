@@ -1,4 +1,5 @@
-"""A ``prefixd serve`` child process for the demo and the end-to-end bench.
+"""A ``prefixd serve`` child process: the one helper the demo, the benchmarks and the test
+harness start a daemon with.
 
     with DaemonProc.temporary(device=1024) as d:   # own state dir, shm dir and socket under /tmp
         d.start()                                  # returns once health says SERVING
@@ -6,10 +7,14 @@
         d.kill9()                                  # SIGKILL, reaped
         d.start()                                  # same state, same socket: recovery
         d.stop()                                   # SIGTERM, clean shutdown; returns the status
+    d.exits                                        # [("kill", -9), ("term", 0)]: how each run ended
+    unexpected_lines(d.log_text())                 # ERROR lines and tracebacks of every run
 
-The tests keep their own harness (``tests/daemon/harness.py``); this one is for programs a
-user runs, so it lives in the package and imports nothing of the daemon's (it starts
-``python -m prefixd.daemon.cli`` as an operator would).
+It lives in the package and imports nothing of the daemon's: it starts
+``python -m prefixd.daemon.cli`` as an operator would (or ``entry``: a wrapper of the daemon's
+``main``, as a test's launcher or a profiler). The test harness (``tests/daemon/harness.py``)
+adds the checks a test ends with: every SIGTERM answered by exit 0, and a log free of
+unexpected ERROR lines and tracebacks.
 
 NOTE: the base directory is short and under /tmp because a Unix socket path holds at most 107
 bytes; ``keep=True`` leaves it behind for a post-mortem (the daemon's log is ``daemon.log``).
@@ -18,13 +23,16 @@ bytes; ``keep=True`` leaves it behind for a post-mortem (the daemon's log is ``d
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable
+from typing import Callable, Iterable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CONFIG = """
 [engine]
@@ -41,6 +49,12 @@ disk = {disk}
 lease_s = {lease_s}
 """
 
+# what no clean run of the daemon prints: an ERROR/CRITICAL record (``daemon/logs.py`` puts
+# the level first), a traceback (logged or raw on stderr), an exception Python could not
+# raise, an interpreter abort, or an error line of gRPC's C core (``E1206 12:00:00.000 ...``)
+_BAD_LINE = re.compile(r"^(ERROR|CRITICAL) |Traceback \(most recent call last\)|^Exception ignored"
+                       r"|^Fatal Python error|^E\d{4} \d\d:\d\d:\d\d")
+
 
 class DaemonFailed(RuntimeError):
     """The daemon exited or did not serve in time; the message ends with its log's tail."""
@@ -49,27 +63,46 @@ class DaemonFailed(RuntimeError):
 class DaemonProc:
     """One daemon over ``base/state`` on ``base/run/s.sock``.
 
+    Args:
+        base: the directory of its state, shm pools (unless ``shm_dir``), socket, config and log.
+        config: the TOML text, a ``str.format`` template over ``shm``, ``base``, ``device``,
+            ``host``, ``disk``, ``lease_s`` and ``fields``; None: ``CONFIG``.
+        env: more environment variables for the daemon (``PYTHONPATH`` leads with the
+            package's checkout either way).
+        entry: what follows the interpreter instead of ``-m prefixd.daemon.cli``.
+        preexec_fn: run in the child before it executes (a CPU affinity).
+
     Invariant: at most one child process at a time (``start`` refuses while one runs), so a
-    ``kill9`` + ``start`` pair is exactly a crash and a restart over the same state.
+    ``kill9`` + ``start`` pair is exactly a crash and a restart over the same state; every
+    run's end is recorded in ``exits`` as ``(how, status)``: ``"term"`` (``stop``),
+    ``"kill"`` (``kill9``) or ``"self"`` (it exited on its own).
     """
 
-    def __init__(self, base: str, *, device: int = 1024, host: int = 1024, disk: int = 4096,
-                 lease_s: float = 10.0, keep: bool = False) -> None:
+    def __init__(self, base: str, *, config: str | None = None, device: int = 1024,
+                 host: int = 1024, disk: int = 4096, lease_s: float = 10.0, keep: bool = False,
+                 env: dict | None = None, entry: list[str] | None = None,
+                 shm_dir: str | None = None, fields: dict | None = None,
+                 preexec_fn: Callable[[], None] | None = None) -> None:
         self.base = base
         self.keep = keep
         self.state_dir = os.path.join(base, "state")
-        self.shm_dir = os.path.join(base, "shm")
+        self.shm_dir = shm_dir or os.path.join(base, "shm")
         self.socket = os.path.join(base, "run", "s.sock")
         self.log_path = os.path.join(base, "daemon.log")
         self.config_path = os.path.join(base, "prefixd.toml")
         os.makedirs(self.shm_dir, exist_ok=True)
         with open(self.config_path, "w") as f:
-            f.write(CONFIG.format(shm=self.shm_dir, device=device, host=host, disk=disk, lease_s=lease_s))
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            f.write((config or CONFIG).format(shm=self.shm_dir, base=base, device=device, host=host,
+                                              disk=disk, lease_s=lease_s, **(fields or {})))
         path = os.environ.get("PYTHONPATH")
-        self._env = dict(os.environ, PYTHONPATH=root + (os.pathsep + path if path else ""))
+        self.env = dict(os.environ, PYTHONPATH=ROOT + (os.pathsep + path if path else ""),
+                        **(env or {}))
+        self.entry = list(entry or ["-m", "prefixd.daemon.cli"])
+        self.preexec_fn = preexec_fn
         self.proc: subprocess.Popen | None = None
         self.starts = 0
+        self.exits: list[tuple[str, int]] = []
+        self._ended = True  # the current ``proc``'s end is in ``exits``
 
     @classmethod
     def temporary(cls, **kw) -> "DaemonProc":
@@ -78,49 +111,98 @@ class DaemonProc:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def serve_args(self) -> list[str]:
+        """The daemon's command line after its entry: ``serve --config ... --socket ...``."""
+        return ["serve", "--config", self.config_path, "--state-dir", self.state_dir,
+                "--socket", self.socket]
+
+    def argv(self) -> list[str]:
+        return [sys.executable, *self.entry, *self.serve_args()]
+
+    def launch(self) -> None:
+        """Start the child without waiting for it to serve.
+
+        Raises:
+            DaemonFailed: a child still runs.
+        """
+        if self.running():
+            raise DaemonFailed(f"daemon pid {self.proc.pid} still runs: stop or kill9 it first")
+        self._record("self")
+        with open(self.log_path, "ab") as log:
+            self.proc = self.spawn(log)
+        self._ended = False
+        self.starts += 1
+
+    def spawn(self, log) -> subprocess.Popen:
+        """The child process, its stdout and stderr on ``log`` (a subclass may fork it from
+        elsewhere: it returns an object with Popen's ``pid``, ``poll``, ``wait``,
+        ``send_signal`` and ``returncode``)."""
+        return subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=self.env, cwd=ROOT,
+                                preexec_fn=self.preexec_fn)
+
     def start(self, timeout: float = 120.0) -> float:
         """Start the daemon and wait until it serves; returns the seconds that took.
 
         Raises:
-            DaemonFailed: it exited or did not serve within ``timeout``.
+            DaemonFailed: a child still runs, or it exited or did not serve within ``timeout``.
         """
-        if self.running():
-            raise DaemonFailed(f"daemon pid {self.proc.pid} still runs: stop or kill9 it first")
         t0 = time.perf_counter()
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "prefixd.daemon.cli", "serve", "--config", self.config_path,
-                 "--state-dir", self.state_dir, "--socket", self.socket],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self._env)
-        self.starts += 1
-        wait_serving(self.proc, self.socket, timeout - (time.perf_counter() - t0), self.log_tail)
+        self.launch()
+        self.wait_serving(timeout - (time.perf_counter() - t0))
         return time.perf_counter() - t0
+
+    def wait_serving(self, timeout: float = 120.0) -> None:
+        """Until health says SERVING (``wait_serving``)."""
+        wait_serving(self.proc, self.socket, timeout, self.log_tail)
 
     def kill9(self) -> None:
         """SIGKILL, as a crash would, and reap."""
         if self.running():
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(30)
+            self._record("kill")
+        self._record("self")
 
     def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM (a clean shutdown); returns the exit status (0 when clean)."""
+        """SIGTERM (a clean shutdown); returns the exit status (0 when clean).
+
+        Raises:
+            DaemonFailed: it did not stop within ``timeout`` (it is killed).
+        """
         if self.proc is None:
             return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        if self.proc.poll() is not None:
+            self._record("self")
+            return self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout)
+            status = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill9()
             raise DaemonFailed(f"daemon did not stop within {timeout} s of SIGTERM (killed):\n"
                                + self.log_tail()) from None
+        self._record("term")
+        return status
 
-    def log_tail(self, n: int = 4000) -> str:
+    def _record(self, how: str) -> None:
+        if self.proc is not None and not self._ended and self.proc.poll() is not None:
+            self.exits.append((how, self.proc.returncode))
+            self._ended = True
+
+    def log_text(self) -> str:
+        """The whole log of every run (empty when there is none yet)."""
         try:
             with open(self.log_path, "rb") as f:
-                return f.read().decode("utf-8", "replace")[-n:]
+                return f.read().decode("utf-8", "replace")
         except OSError:
             return ""
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_text()[-n:]
 
     def close(self) -> None:
         """Kill a daemon still running and remove the directory (unless ``keep``)."""
@@ -134,6 +216,13 @@ class DaemonProc:
     def __exit__(self, *exc) -> None:
         self.close()
 
+
+def unexpected_lines(log: str, allowed: Iterable[re.Pattern | str] = ()) -> list[str]:
+    """The lines of a daemon's ``log`` that no clean run prints (``_BAD_LINE``: ERROR and
+    CRITICAL records, tracebacks, ...), less those an ``allowed`` pattern finds (``re.search``)."""
+    patterns = [re.compile(p) if isinstance(p, str) else p for p in allowed]
+    return [line for line in log.splitlines()
+            if _BAD_LINE.search(line) and not any(p.search(line) for p in patterns)]
 
 
 def wait_serving(proc: subprocess.Popen, socket: str, timeout: float, log_tail: Callable[[], str]) -> None:

@@ -88,12 +88,13 @@ def fuse_unavailable_reason(*, euid: int | None = None, dev_fuse: str = "/dev/fu
 
 
 def require_fuse() -> None:
-    """pytest.skip with the reason when FUSE is unavailable."""
+    """Skip (or fail under ``.ci/run``: ``tests.requires``) with the reason when FUSE is
+    unavailable."""
     reason = fuse_unavailable_reason()
     if reason is not None:
-        import pytest
+        from tests.requires import missing
 
-        pytest.skip(f"powerfs unavailable: {reason}")
+        missing(f"powerfs unavailable: {reason}")
 
 
 def _is_mounted(path: Path) -> bool:

@@ -27,6 +27,7 @@ import pytest
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.crashpoints import CRASH_EXIT_CODE
 from tests.daemon.gsp_load import BS, LineTail, digest, packed, pb_layout, read_kv
+from tests.daemon.forked import Forked, ForkedDaemon
 from tests.daemon.harness import ROOT, DaemonProcess
 
 CLIENTS = 8
@@ -62,73 +63,10 @@ class PlantedDaemon(DaemonProcess):
 
     planted = True
 
-    def start(self, *, wait: bool = True, timeout: float = 90.0) -> "DaemonProcess":
+    def argv(self) -> list[str]:
         if not self.planted:
-            return super().start(wait=wait, timeout=timeout)
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.daemon.gsp_load", "serve-planted", "serve", "--config",
-             self.config_path, "--state-dir", self.state_dir, "--socket", self.socket],
-            stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
-        if wait:
-            self.wait_serving(timeout)
-        return self
-
-
-class Forked:
-    """A daemon forked by the zygote: the part of ``Popen`` the harness uses. The zygote reaps
-    it, so its exit status is unknown (-1) and only its end is seen."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.returncode = None
-
-    def poll(self):
-        if self.returncode is None:
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                self.returncode = -1
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def wait(self, timeout: float | None = None):
-        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
-        while self.poll() is None:
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"daemon {self.pid}", timeout)
-            time.sleep(0.005)
-        return self.returncode
-
-
-class ForkedDaemon(DaemonProcess):
-    """A ``DaemonProcess`` whose every start is a fork of one zygote that imported the daemon
-    once (``gsp_load.zygote``): a restart costs the daemon's recovery, not torch's import."""
-
-    zygote: subprocess.Popen | None = None
-
-    def start(self, *, wait: bool = True, timeout: float = 90.0) -> "DaemonProcess":
-        if self.zygote is None:
-            self.zygote = subprocess.Popen(
-                [sys.executable, "-m", "tests.daemon.gsp_load", "zygote"], cwd=ROOT, env=self.env,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        argv = ["serve", "--config", self.config_path, "--state-dir", self.state_dir,
-                "--socket", self.socket]
-        self.zygote.stdin.write(json.dumps([self.log_path] + argv) + "\n")
-        self.zygote.stdin.flush()
-        self.proc = Forked(int(self.zygote.stdout.readline()))
-        if wait:
-            self.wait_serving(timeout)
-        return self
-
-    def close(self) -> None:
-        super().close()
-        if self.zygote is not None:
-            self.zygote.stdin.close()
-            self.zygote.wait(30)
+            return super().argv()
+        return [sys.executable, "-m", "tests.daemon.gsp_load", "serve-planted", *self.serve_args()]
 
 
 class Clients:
@@ -326,6 +264,7 @@ def crash_at_a_group(planted: bool, n: int) -> None:
     the group is written), restart it plain, and ``verify`` every ack logged by then."""
     cls = PlantedDaemon if planted else DaemonProcess
     d = cls(config(), lease_s=30.0, env={"PREFIXD_CRASH": f"wal_before_commit:{n}"})
+    d.expect_exit(CRASH_EXIT_CODE)  # the armed crash point ends the first run
     out = os.path.join(d.base, "out")
     os.makedirs(out)
     clients = None

@@ -30,6 +30,7 @@ from prefixd.api.tiers import Tier
 from prefixd.wal import WalFailedError
 from tests.cache.helpers import StoreTokens
 from tests.crash.prefixd_workload import BS, LAYOUT, check, open_cache
+from tests.requires import missing
 
 SIZES = (24, 24, 4096)  # small enough for the 1-2 MiB tmpfs these tests mount
 
@@ -37,9 +38,10 @@ SIZES = (24, 24, 4096)  # small enough for the 1-2 MiB tmpfs these tests mount
 @pytest.fixture
 def tmpfs(tmp_path):
     """Factory: ``tmpfs(size_bytes) -> path`` of a fresh tmpfs of that size under ``tmp_path``;
-    skips when not root or when mounting fails; every mount is unmounted at teardown."""
+    skips when not root or when mounting fails (fails under ``.ci/run``: ``tests.requires``);
+    every mount is unmounted at teardown."""
     if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs on the state directory needs root")
+        missing("mounting a small tmpfs on the state directory needs root")
     mounted: list[str] = []
 
     def factory(size: int, name: str = "state") -> str:
@@ -48,7 +50,7 @@ def tmpfs(tmp_path):
         out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
                              capture_output=True, text=True)
         if out.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip() or out.returncode}")
+            missing(f"cannot mount a tmpfs here: {out.stderr.strip() or out.returncode}")
         mounted.append(str(path))
         return str(path)
 

@@ -346,8 +346,9 @@ def zygote() -> None:
     NOTE: the kill -9 suite restarts the daemon ten times; a fresh interpreter importing torch
     took 4-11 s of a loaded 2-core host each time, a fork takes milliseconds. The forked child
     is the daemon (its recovery, its sockets, its engine): only the imports came before the
-    fork, and no channel, server, loop or engine exists in this process. Children are reaped
-    by the kernel (SIGCHLD ignored), so a dead one's pid answers ``kill(pid, 0)`` with ESRCH.
+    fork, and no channel, server, loop or engine exists in this process. Each daemon is the
+    child of a waiter forked for it, which writes the daemon's exit status (as Popen's
+    ``returncode``) to ``exit-<pid>`` beside its log once it is reaped.
     """
     import prefixd.daemon.server  # noqa: F401 - torch, grpc and the engine, once
     from prefixd.daemon import cli
@@ -355,18 +356,24 @@ def zygote() -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     for line in sys.stdin:
         log_path, *argv = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-                os.dup2(fd, 1)
-                os.dup2(fd, 2)
-                code = cli.main(argv)
-            finally:
-                os._exit(code)
-        print(pid, flush=True)
+        if os.fork() == 0:  # a waiter, reaped by the kernel: it waits for the daemon
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                    os.dup2(fd, 1)
+                    os.dup2(fd, 2)
+                    code = cli.main(argv)
+                finally:
+                    os._exit(code)
+            print(pid, flush=True)
+            status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            with open(os.path.join(os.path.dirname(log_path), f"exit-{pid}.tmp"), "w") as f:
+                f.write(str(status))
+            os.rename(f.name, f.name[:-4])  # appears whole
+            os._exit(0)
 
 
 def main(argv: list[str]) -> int:

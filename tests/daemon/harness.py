@@ -1,28 +1,32 @@
-"""A real ``prefixd serve`` process for tests: a short temporary directory (Unix socket paths
-hold 107 bytes; pytest's ``tmp_path`` is often longer), its own state directory and shm
-directory, started and stopped like an operator would.
+"""A real ``prefixd serve`` process for tests (``prefixd.tools.daemon_proc.DaemonProc``, the
+one helper that starts a daemon) that ends by checking what the daemon said: a short
+temporary directory (Unix socket paths hold 107 bytes; pytest's ``tmp_path`` is often longer),
+its own state directory and shm directory, started and stopped like an operator would.
 
     with start_daemon() as d:          # waits until health says SERVING
         stub = d.stub()                # raw PrefixCacheStub on d.socket
-        d.kill()                       # SIGKILL
+        d.kill()                       # SIGKILL: declared by calling it
         d.restart()                    # same state, same socket
+    # leaving the block stops the daemon and fails the test unless every SIGTERM got exit 0,
+    # no run died on its own, and the log holds no ERROR line or traceback
+
+A test that provokes an error line declares it (``expect_log=[regex, ...]`` or
+``d.expect_log(regex)``), with a comment saying why the daemon is right to log it; one whose
+daemon is meant to exit by itself declares the status (``d.expect_exit(status)``).
 """
 
 from __future__ import annotations
 
-import os
+import re
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
 
 import grpc
-from prefixd.tools.daemon_proc import wait_serving
 
 from prefixd.api import prefixd_pb2_grpc as pb_grpc
+from prefixd.tools.daemon_proc import ROOT, DaemonProc, unexpected_lines
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+__all__ = ["DEFAULT_CONFIG", "ROOT", "DaemonCheckFailed", "DaemonProcess", "start_daemon"]
 
 DEFAULT_CONFIG = """
 [engine]
@@ -40,70 +44,78 @@ lease_s = {lease_s}
 """
 
 
-class DaemonProcess:
-    """One daemon process over ``base/state``, listening on ``base/s.sock`` (tenant sockets of
-    other tenants sit beside it)."""
+class DaemonCheckFailed(AssertionError):
+    """The daemon exited badly or logged what a clean run does not (the message says what)."""
+
+
+class DaemonProcess(DaemonProc):
+    """One daemon process over ``base/state``, listening on ``base/run/s.sock`` (tenant
+    sockets of other tenants sit beside it); ``close`` checks its exits and its log.
+
+    ``exit_status_known``: False where the child's status cannot be read (a daemon forked by
+    a zygote that reaps it); its log is checked all the same.
+    """
+
+    exit_status_known = True
 
     def __init__(self, config: str | None = None, *, lease_s: float = 3.0,
-                 base: str | None = None, env: dict | None = None) -> None:
-        self.base = base or tempfile.mkdtemp(prefix="pd-", dir="/tmp")
-        self.state_dir = os.path.join(self.base, "state")
-        self.shm_dir = os.path.join(self.base, "shm")
-        self.socket = os.path.join(self.base, "run", "s.sock")
-        self.log_path = os.path.join(self.base, "daemon.log")
-        os.makedirs(self.shm_dir, exist_ok=True)
-        self.config_path = os.path.join(self.base, "prefixd.toml")
-        with open(self.config_path, "w") as f:
-            f.write((config or DEFAULT_CONFIG).format(shm=self.shm_dir, lease_s=lease_s,
-                                                      base=self.base))
-        self.env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
-        self.proc: subprocess.Popen | None = None
-        self._log = None
+                 base: str | None = None, env: dict | None = None,
+                 expect_log: list[str] = (), entry: list[str] | None = None) -> None:
+        super().__init__(base or tempfile.mkdtemp(prefix="pd-", dir="/tmp"),
+                         config=config or DEFAULT_CONFIG, lease_s=lease_s, env=env, entry=entry)
+        self.allowed_log = [re.compile(p) for p in expect_log]
+        self.allowed_exits: set[int] = set()
         self._channels: list[grpc.Channel] = []
 
     # -- process -------------------------------------------------------------------------------
 
     def start(self, *, wait: bool = True, timeout: float = 90.0) -> "DaemonProcess":
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "prefixd.daemon.cli", "serve", "--config", self.config_path,
-             "--state-dir", self.state_dir, "--socket", self.socket],
-            stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT)
+        self.launch()
         if wait:
             self.wait_serving(timeout)
         return self
 
-    def wait_serving(self, timeout: float = 90.0) -> None:
-        """Until health says SERVING; raises DaemonFailed (a RuntimeError) with the daemon's
-        log if it exits or times out."""
-        wait_serving(self.proc, self.socket, timeout, self.log)
-
     def kill(self) -> None:
-        """SIGKILL and reap."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(30)
-
-    def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM; returns the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
+        """SIGKILL and reap (the test means it: the check skips this run's exit status)."""
+        self.kill9()
 
     def restart(self, **kw) -> "DaemonProcess":
-        if self.proc is not None and self.proc.poll() is None:
+        if self.running():
             self.stop()
         return self.start(**kw)
 
     def log(self) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read().decode("utf-8", "replace")[-20000:]
-        except OSError:
-            return ""
+        return self.log_tail(20000)
 
-    def pid(self) -> int:
-        return self.proc.pid
+    # -- what the test expects -----------------------------------------------------------------
+
+    def expect_log(self, *patterns: str) -> None:
+        """Allow log lines an ERROR/traceback check would fail on (``re.search``)."""
+        self.allowed_log.extend(re.compile(p) for p in patterns)
+
+    def expect_exit(self, *statuses: int) -> None:
+        """Allow runs that end (on their own or at SIGTERM) with one of ``statuses``."""
+        self.allowed_exits.update(statuses)
+
+    def problems(self) -> list[str]:
+        """What the check fails on: bad exits and unexpected log lines."""
+        found = []
+        for how, status in self.exits:
+            if how == "kill" or status == 0 or status in self.allowed_exits:
+                continue
+            if how == "term" and not self.exit_status_known:
+                continue
+            found.append(f"a run ended {'at SIGTERM' if how == 'term' else 'on its own'} "
+                         f"with status {status}")
+        found += [f"log: {line[:600]}" for line in unexpected_lines(self.log_text(), self.allowed_log)]
+        return found
+
+    def check(self) -> None:
+        """Raises DaemonCheckFailed naming every problem (with the log's tail)."""
+        found = self.problems()
+        if found:
+            raise DaemonCheckFailed("the daemon " + "; ".join(found[:20])
+                                    + f"\n--- daemon log (tail) ---\n{self.log_tail(6000)}")
 
     # -- clients -------------------------------------------------------------------------------
 
@@ -117,24 +129,28 @@ class DaemonProcess:
     def stub(self, socket: str | None = None) -> pb_grpc.PrefixCacheStub:
         return pb_grpc.PrefixCacheStub(self.channel(socket))
 
-    def close(self) -> None:
+    def close(self, check: bool = True) -> None:
+        """Close the channels, SIGTERM a daemon still running, then (``check``) fail unless
+        every run ended as the test declared and the log is clean; the directory goes either
+        way."""
         for ch in self._channels:
             ch.close()
         self._channels.clear()
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                self.stop(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        if self._log is not None:
-            self._log.close()
-        shutil.rmtree(self.base, ignore_errors=True)
+        try:
+            if self.running():
+                self.stop(60)
+            self.kill9()  # nothing runs now; records a run that ended on its own
+            if check:
+                self.check()
+        finally:
+            self.kill9()
+            shutil.rmtree(self.base, ignore_errors=True)
 
     def __enter__(self) -> "DaemonProcess":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(check=exc_type is None)  # a failing test's own error says more
 
 
 def start_daemon(config: str | None = None, **kw) -> DaemonProcess:

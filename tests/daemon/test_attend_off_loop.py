@@ -28,6 +28,9 @@ class _Context:
     async def abort(self, code, message):
         raise AssertionError(f"the call was refused: {code} {message}")
 
+    def add_done_callback(self, callback):
+        pass  # no wire here: the call's end is the handler's return
+
 
 @pytest.fixture
 def served(tmp_path):

@@ -298,6 +298,8 @@ def test_a_second_daemon_on_the_same_state_exits_naming_the_first_and_the_first_
     first = long
     second = DaemonProcess(CONFIG, lease_s=30.0)
     second.state_dir, second.socket = first.state_dir, first.socket  # same state AND socket
+    second.expect_exit(1)  # refused: the state directory is locked by the first
+    second.expect_log(r"^ERROR prefixd\.daemon: not starting: state directory lock .* is held by")
     try:
         second.start(wait=False)
         code = second.proc.wait(120)
@@ -317,9 +319,10 @@ def test_sigterm_finishes_in_flight_commits_checkpoints_exits_0_and_the_restart_
     or UNAVAILABLE (and did not happen); the daemon checkpoints and exits 0; a Reclaim after
     the restart returns every sequence of the session.
 
-    Regression: the stop closed the servers at once, and ``grpc.aio`` answered the calls it had
-    received but not started with CANCELLED, which leaves a client unable to tell whether its
-    commit happened (server.py ``_drain`` now refuses them UNAVAILABLE first)."""
+    CANCELLED would leave a client unable to tell whether its commit happened: gRPC core's
+    server shutdown answers so the calls it read but had not handed to a handler, so the stop
+    never shuts the servers down (server.py ``_shutdown``'s NOTE; 200 stops:
+    tests/daemon/test_sigterm_drain.py)."""
     with start_daemon(CONFIG, lease_s=30.0) as d:
         stub = d.stub()
         sid = attach(stub)

@@ -95,7 +95,8 @@ def notified():
         d.start()
         _commit_some(d, 8)
         d.kill()
-        d.env.update(listener.env(watchdog_usec=300_000), PREFIXD_TEST_WATCHDOG_STALL=STALL)
+        d.env.update(listener.env(watchdog_usec=300_000))
+        d.entry = ["-m", "tests.daemon.launcher", "--watchdog-stall", STALL]
         d.start(wait=False)
         yield d, listener
 
@@ -135,7 +136,11 @@ def test_watchdog_pings_stop_while_the_serving_loop_stalls_and_resume_after(noti
     with open(STALL, "w"):
         pass  # the next probe blocks the event loop, as a hung engine call would
     try:
-        time.sleep(0.3)  # a probe already past the stall check may still ping once
+        deadline = time.monotonic() + 60
+        while not os.path.exists(STALL + ".stalled"):  # the loop is blocked from here on
+            assert time.monotonic() < deadline, "the stall never began"
+            time.sleep(0.02)
+        time.sleep(1.0)  # a ping sent before the stall reaches the listener meanwhile
         pings = listener.count("WATCHDOG")
         # 1.5 s is 15 periods of 0.1 s: a live loop would have pinged about 15 times
         with pytest.raises(AssertionError):

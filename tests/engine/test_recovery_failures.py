@@ -24,7 +24,7 @@ from prefixd.wal import WalCorruptError
 from tests.cache.helpers import StoreTokens, tiny_layout
 
 REPO = Path(__file__).resolve().parents[2]
-FIXTURE = REPO.parent / "shared" / "fixtures" / "wal-hang-data.mdb.gz"
+FIXTURE = REPO / "tests" / "fixtures" / "wal-hang-data.mdb.gz"  # tests/fixtures/README.md
 BS = 2
 LAYOUT = tiny_layout(BS)
 SIZES = (16, 32, 64)
@@ -49,7 +49,6 @@ _OPEN_FIXTURE = """
 """
 
 
-@pytest.mark.skipif(not FIXTURE.exists(), reason="the shared fixtures are not next to the project")
 @pytest.mark.parametrize("walk", ["walk", "skip-walk"])
 def test_a_damaged_log_that_loops_the_prefetch_ends_in_a_typed_error(tmp_path, walk):
     """Regression: on this ``data.mdb`` (50 random bit flips) ``set_range`` answers with a key

@@ -18,6 +18,7 @@ from prefixd.api.tiers import Tier
 from prefixd.storage.tier_store import TierStore
 
 from prefixd.storage.pools import TensorPool
+from tests.requires import missing
 from tests.storage.proc_maps import need_populate, resident_bytes
 
 from .conftest import SMALL, block_data, same_bytes
@@ -140,10 +141,10 @@ def tiny_tmpfs(tmp_path):
     mnt = tmp_path / "tiny"
     mnt.mkdir()
     if os.geteuid() != 0:
-        pytest.skip("mounting a 1 MiB tmpfs needs root")
+        missing("mounting a 1 MiB tmpfs needs root")
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)], capture_output=True, text=True)
     if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        missing(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     yield str(mnt)
     subprocess.run(["umount", str(mnt)], check=False)
 

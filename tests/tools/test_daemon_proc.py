@@ -37,3 +37,30 @@ def test_wait_serving_names_an_exit_and_a_timeout_with_the_log(tmp_path):
     finally:
         silent.kill()
         silent.wait()
+
+
+def test_unexpected_lines_finds_errors_and_tracebacks_less_the_allowed():
+    from prefixd.tools.daemon_proc import unexpected_lines
+
+    log = "\n".join([
+        "INFO prefixd.daemon.server: serving pools=1",
+        "WARNING prefixd.engine: a pool is small",
+        "ERROR prefixd.daemon.server: checkpoint at stop failed error=OSError()",
+        "INFO x: handled | Traceback (most recent call last): |   File ...",
+        "CRITICAL prefixd: out of memory",
+        "Exception ignored in: <function Server.__del__>",
+        "E1206 20:51:02.123456   123 server.cc:42] bad thing",
+        "INFO prefixd.daemon: the word ERROR inside a message is fine",
+    ])
+    assert unexpected_lines(log) == [log.splitlines()[i] for i in (2, 3, 4, 5, 6)]
+    assert unexpected_lines(log, [r"checkpoint at stop failed", "^CRITICAL"]) == \
+        [log.splitlines()[i] for i in (3, 5, 6)]
+
+
+def test_exits_record_how_each_run_ended():
+    with DaemonProc.temporary(device=16, host=16, disk=16) as d:
+        d.start()
+        d.kill9()
+        d.start()
+        assert d.stop() == 0
+    assert d.exits == [("kill", -9), ("term", 0)]

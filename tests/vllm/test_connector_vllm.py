@@ -1,6 +1,7 @@
 """The connector with real vLLM (run in the vLLM venv as a child process) and a real daemon.
 
-Skipped with a reason where the vLLM venv is missing (``make vllm-venv`` makes it; CI does).
+Skipped with a reason where the vLLM venv is missing (``make vllm-venv`` makes it), failed
+under ``.ci/run`` (``tests.requires``).
 One ``import vllm`` (no model). A second vLLM process answered from prefixd is
 tests/vllm/test_vllm_scenarios.py's (this module's own two-process test repeated it, at two
 vLLM starts of 1-6 minutes on the loaded dev host; its Stats check moved there).
@@ -14,13 +15,19 @@ import subprocess
 import pytest
 
 from tests.daemon.harness import start_daemon
+from tests.requires import missing
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHILD = pathlib.Path(__file__).with_name("connector_child.py")
 VLLM_PYTHON = os.environ.get("PREFIXD_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
 
-pytestmark = pytest.mark.skipif(not os.path.exists(VLLM_PYTHON),
-                                reason=f"no vLLM venv at {VLLM_PYTHON} (make vllm-venv, or set PREFIXD_VLLM_PYTHON)")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _vllm_venv():
+    if not os.path.exists(VLLM_PYTHON):  # skips here, fails under .ci/run (tests.requires)
+        missing(f"no vLLM venv at {VLLM_PYTHON} (make vllm-venv, or set PREFIXD_VLLM_PYTHON)")
+
 
 # SmolLM2's blocks are 2.8 MiB at vLLM's CPU block size (128 tokens x 30 layers): keep pools small.
 CONFIG = """

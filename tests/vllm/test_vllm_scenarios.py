@@ -36,6 +36,7 @@ import pytest
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.tools import vllm_child
 from tests.daemon.harness import start_daemon
+from tests.requires import missing
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -63,10 +64,11 @@ lease_s = {lease_s}
 
 
 def _must_have(reason: str) -> None:
-    """Skip, or fail where the environment promises the vLLM venv (CI, or root as in CI)."""
+    """Skip, or fail where the environment promises the vLLM venv (``.ci/run``:
+    ``tests.requires``; CI, or root as in CI)."""
     if os.environ.get("CI") or os.geteuid() == 0:
         pytest.fail(reason + " (CI and root runs must have it: make vllm-venv)")
-    pytest.skip(reason)
+    missing(reason + " (make vllm-venv)")
 
 
 @pytest.fixture(scope="module")

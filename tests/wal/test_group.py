@@ -208,11 +208,13 @@ def test_a_record_appended_while_the_committer_lingers_commits_within_max_delay(
     wal.flush().result(5)
     t0 = time.monotonic()
     wal.append(Kind.DETACH, 2)  # lands in the linger: nothing wakes the committer for it
-    while wal.stats().durable_lsn < 2 and time.monotonic() < t0 + 5:
+    while wal.stats().durable_lsn < 2 and time.monotonic() < t0 + 30:
         time.sleep(0.005)
     elapsed = time.monotonic() - t0
-    assert wal.stats().durable_lsn == 2
-    assert 0.2 <= elapsed < 0.3 + 0.5, elapsed  # waited for the delay, not much past it
+    assert wal.stats().durable_lsn == 2, "a record appended in the linger was never committed"
+    # waited for the delay (the lower bound is the behaviour); the upper bound only catches a
+    # commit that waited for something else, with room for a loaded host
+    assert 0.2 <= elapsed < 0.3 + 5.0, elapsed
     wal.check_invariants()
 
 
@@ -222,18 +224,20 @@ def test_the_committer_lingers_after_a_group_then_goes_idle(open_wal):
     wal = open_wal(max_delay_ms=300)
     committer = wal._committer
     wal.append(Kind.DETACH, 1)
+    t0 = time.monotonic()
     wal.flush().result(5)
-    time.sleep(0.05)
-    assert not committer._idle
-    deadline = time.monotonic() + 5
+    lingering = not committer._idle
+    # a host that stalled this thread past the linger may have let it go idle already
+    assert lingering or time.monotonic() - t0 >= 0.3, "idle at once after a group"
+    deadline = time.monotonic() + 30
     while not committer._idle and time.monotonic() < deadline:
         time.sleep(0.01)
     assert committer._idle
-    wal.append(Kind.DETACH, 2)  # woken now, committed within the delay
-    t0 = time.monotonic()
-    while wal.stats().durable_lsn < 2 and time.monotonic() < t0 + 5:
+    wal.append(Kind.DETACH, 2)  # woken now: idle, it has no timer that would commit it
+    deadline = time.monotonic() + 30
+    while wal.stats().durable_lsn < 2 and time.monotonic() < deadline:
         time.sleep(0.005)
-    assert time.monotonic() - t0 < 0.3 + 0.5
+    assert wal.stats().durable_lsn == 2, "an append did not wake the idle committer"
 
 
 def test_group_cap_splits_a_large_pending_buffer(open_wal):

@@ -9,26 +9,22 @@ NOTE: one ``copy_`` per layer per run of blocks consecutive on both sides (vLLM 
 consecutive block ids to a new prompt and the daemon consecutive slots, so a prompt is
 usually one run). A strided ``copy_`` does the [heads, rows] -> [rows, heads] transpose in one
 pass; indexed copies (``index_put_`` of a gathered batch) took 2-3x longer for 5 SmolLM2 blocks
-(14.7 MB) on the dev host. Nothing here checks who may write what; the worker side checks
+(14.7 MB). Nothing here checks who may write what; the worker side checks
 the lease and the daemon's epoch around each call (a mapped store cannot see a restart).
 
 NOTE: the copies are numpy's (``np.copyto`` over the same memory), in the calling thread, not
 torch's ``copy_``: torch splits a copy this size over its OpenMP team (vLLM's CPU worker runs
 one thread per core), and a memory-bound copy split over threads that wait on each other at a
-barrier is several times slower on a loaded host. A/B in one process (8 SmolLM2 blocks in
-float32, 47 MB, 30 layers, 2-core dev host at load 10-13, medians of 15): load 184 ms with
-torch's 2 threads, 41 ms with 1, 36 ms with numpy; save 87 / 24 / 25 ms. A TTFT of an
-external hit pays the load in full (issue 14 follow-up: prefixd 2.68 s vs the
-ExampleConnector's 2.34 s).
+barrier is several times slower on a loaded host (8 SmolLM2 blocks, 47 MB: 184 ms with
+torch's 2 threads, 41 ms with 1, 36 ms with numpy). A TTFT of an external hit pays the load
+in full.
 
 NOTE: a large transfer is split by layer over a few Python threads (the caller's and
 ``COPY_THREADS - 1`` helpers): numpy releases the GIL inside ``copyto``, and a thread that finishes
 early just waits on a future, where an OpenMP team spins at a barrier. The transposing copy runs
-at about half of memcpy's speed on one core. Measured on the 2-core dev host (8 SmolLM2 blocks
-in float32, 30 layers, medians of 15): quiet, one thread 15-21 ms, two 11-12 ms, torch's team
-9 ms; beside 4 busy processes, one thread 54 ms, two 28-32 ms, torch's team 34 ms. In vLLM the
-load sat on the time to first token at ~20 ms of a ~400 ms TTFT, against the
-ExampleConnector's ~390 ms.
+at about half of memcpy's speed on one core; two threads halve a load beside busy processes
+(8 SmolLM2 blocks: 54 ms on one thread, 28-32 ms on two, 34 ms on torch's team), and in vLLM
+the load is ~20 ms of a ~400 ms time to first token.
 """
 
 from __future__ import annotations

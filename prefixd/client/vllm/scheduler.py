@@ -22,7 +22,7 @@ Per request, in vLLM's order:
    are not all reported yet is parked and released by the report that completes it.
 
 NOTE: one rpc, not a ``Lookup`` then an ``Open``: the open's pin is the lookup, and the time to
-first token of an external hit paid both (~3 ms each on the dev host, against a ~400 ms TTFT
+first token of an external hit paid both (~3 ms each, against a ~400 ms TTFT
 within ~10 ms of the ExampleConnector's). A request vLLM cannot schedule holds its pin until
 it is scheduled or finished (vLLM calls ``request_finished`` for aborted waiting requests too);
 a client that dies holding it loses it with its lease.

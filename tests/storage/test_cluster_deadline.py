@@ -1,6 +1,6 @@
 """The cluster tier's batch has one deadline, shared by every node it waits on (connects included).
 
-A fetch (``RemoteStore.get_run``) waits at most ``timeout_s`` however many masters are silent:
+A fetch (``ClusterStore.get_run``) waits at most ``timeout_s`` however many masters are silent:
 the real 3-master cluster with every master frozen (SIGSTOP), over connections made before the
 freeze and over fresh ones (the slot map's reload then waits on every node too), and three
 listeners that never accept (a connect that hangs). A node read after another one used up the
@@ -21,10 +21,10 @@ import time
 import pytest
 from redis.cluster import ClusterNode, RedisCluster as BareClient
 
-from prefixd.storage.remote import RemoteStore
-from prefixd.storage.remote_nodes import ClusterLinks, NodeFailure
+from prefixd.storage.cluster import ClusterStore
+from prefixd.storage.cluster_nodes import ClusterLinks, NodeFailure
 from tests.cluster.redis_fixture import redis_cluster  # noqa: F401  (the fixture, used by name)
-from tests.storage.test_remote_store import NS, ask, chain
+from tests.storage.test_cluster_store import NS, ask, chain
 
 TIMEOUT_S = 1.0
 BOUND_S = TIMEOUT_S * 1.5
@@ -52,7 +52,7 @@ def timed_ask(store, blocks):
 def test_a_fetch_with_every_master_frozen_is_a_miss_within_one_timeout(redis_cluster):  # noqa: F811
     """Regression: ``ClusterLinks.pipeline`` gave each node's reads a fresh socket timeout, so
     with every master frozen one fetch waited one timeout per master, in turn (3 x timeout)."""
-    store = RemoteStore(redis_cluster.nodes, NS, timeout_s=TIMEOUT_S, retry_after_s=60.0)
+    store = ClusterStore(redis_cluster.nodes, NS, timeout_s=TIMEOUT_S, retry_after_s=60.0)
     blocks = chain(24)
     try:
         assert store.put(blocks) == 24
@@ -70,7 +70,7 @@ def test_a_first_fetch_with_every_master_frozen_is_a_miss_within_one_timeout(red
     """A store with no slot map and no connection yet: the map's reload (CLUSTER SLOTS, node
     after node) and the connects share the fetch's one deadline."""
     blocks = chain(6)
-    store = RemoteStore(redis_cluster.nodes, NS, timeout_s=TIMEOUT_S, connect_timeout_s=TIMEOUT_S,
+    store = ClusterStore(redis_cluster.nodes, NS, timeout_s=TIMEOUT_S, connect_timeout_s=TIMEOUT_S,
                         retry_after_s=60.0)
     try:
         with frozen(redis_cluster, range(3)):
@@ -86,7 +86,7 @@ def test_a_node_read_after_the_deadline_passed_still_serves_its_reply(redis_clus
     """The frozen master owns the first block, so it is read first and uses up the deadline;
     the two others answered meanwhile and are read within ``MIN_WAIT_S``: one timeout, not
     three (a node failed unread once the deadline passed would count as one)."""
-    store = RemoteStore(redis_cluster.nodes, NS, timeout_s=0.5, retry_after_s=60.0)
+    store = ClusterStore(redis_cluster.nodes, NS, timeout_s=0.5, retry_after_s=60.0)
     bare = BareClient(startup_nodes=[ClusterNode(*n.split(":")) for n in redis_cluster.nodes])
     blocks = chain(24)
     try:
