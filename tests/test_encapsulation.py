@@ -9,6 +9,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "prefixd"
 
 # Underscore names that are public API of the standard library.
 ALLOWED = {"os._exit", "sys._getframe",
+           # CPython's: the one way to run the exit handlers before os._exit (daemon/server.py)
+           "atexit._run_exitfuncs",
            "config._attn_implementation"}  # transformers: the attention in use has no public getter
 GENERATED = ("_pb2.py", "_pb2_grpc.py")
 NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
