@@ -23,11 +23,7 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "prefixd"
 
 # Split-off halves still in the tree, each with why it stays for now.
-KNOWN_SPLITS = {
-    # the committer thread's loop shares every field of its host under one lock (the WAL's
-    # commit path): made a part of its own in a change run against the WAL crash suites
-    "wal: GroupCommitter(CommitterLoop)",
-}
+KNOWN_SPLITS: set[str] = set()
 
 # Bases that make a class a type of its own rather than a half of another class.
 _TYPE_BASES = {"ABC", "Protocol", "NamedTuple", "TypedDict", "Enum", "IntEnum", "Flag", "IntFlag",

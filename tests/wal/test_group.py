@@ -222,17 +222,17 @@ def test_the_committer_lingers_after_a_group_then_goes_idle(open_wal):
     """Lingering (not idle: an append does not wake it) for ``max_delay_ms`` after a group,
     then idle (no timer: an idle daemon's committer sleeps until an append wakes it)."""
     wal = open_wal(max_delay_ms=300)
-    committer = wal._committer
+    state = wal._committer._state  # the fields the producers and the committer share
     wal.append(Kind.DETACH, 1)
     t0 = time.monotonic()
     wal.flush().result(5)
-    lingering = not committer._idle
+    lingering = not state.idle
     # a host that stalled this thread past the linger may have let it go idle already
     assert lingering or time.monotonic() - t0 >= 0.3, "idle at once after a group"
     deadline = time.monotonic() + 30
-    while not committer._idle and time.monotonic() < deadline:
+    while not state.idle and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert committer._idle
+    assert state.idle
     wal.append(Kind.DETACH, 2)  # woken now: idle, it has no timer that would commit it
     deadline = time.monotonic() + 30
     while wal.stats().durable_lsn < 2 and time.monotonic() < deadline:
