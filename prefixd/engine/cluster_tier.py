@@ -284,6 +284,7 @@ class ClusterTier:
             return 0
         for node in path_to(seq.node):  # the helper's hit on the match is not a request's
             node.hit_count -= 1
+            cache.tree.mark(node)
         try:
             if seq.num_indexed != have:  # a local disk block failed its checksum: cut there
                 self.promote_refused += 1
