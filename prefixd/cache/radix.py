@@ -38,8 +38,8 @@ class RadixTree:
 
     While a checkpoint pictures the tree in slices (``prefixd.engine.picture_walk``),
     ``changed`` collects every node whose checkpointed fields change (``mark``): a touch, a
-    split (both parts), a residency placed or dropped (a node added or forgotten included);
-    code outside that changes a node's checksums marks it too.
+    split (both parts), a residency placed or dropped (a node added or forgotten included; a
+    run's checksums change only with a placement).
     """
 
     def __init__(self, block_size: int, root_hash: bytes, policy, tiers=(DEVICE,)) -> None:

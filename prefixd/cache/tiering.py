@@ -205,8 +205,7 @@ class Tiering:
             pos += n.num_blocks
             sums = checksums[k] if checksums is not None else None
             if sums is not None and sums != n.checksums:
-                n.checksums = sums
-                self.tree.mark(n)
+                n.checksums = sums  # marked for a picture by the placement below
             else:
                 sums = []  # already known: the move record need not repeat them
             self.tree.set_residency(n, tier, mine)
