@@ -1,10 +1,11 @@
 """A checkpoint in two parts: a picture of the state taken on the engine's thread, and its
 bytes made from the picture on any thread.
 
-``Picture.take`` walks the index once and keeps, per node, references to what the checkpoint
-stores (its tokens, its hashes and checksums, packed or as lists, its host and disk slot
-lists) and the node's numbers; the live and recovered sequences; the meta. It copies no
-per-block data: O(nodes), not O(blocks). ``Picture.values`` then makes exactly the values
+``Picture.take`` finishes a walk of the index (``prefixd.engine.picture_walk``: in slices
+across the loop's turns, or all at once) that keeps, per node, references to what the
+checkpoint stores (its tokens, its hashes and checksums, packed or as lists, its host and disk
+slot lists) and the node's numbers; then the live and recovered sequences and the meta. It
+copies no per-block data. ``Picture.values`` then makes exactly the values
 ``checkpoint.dump_engine`` makes for that state (``index``, ``seqs``), touching nothing but the
 picture, so the engine serves on meanwhile.
 
