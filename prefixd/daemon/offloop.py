@@ -90,7 +90,7 @@ class OffLoop:
             began = time.perf_counter()
             walk = dc.begin_picture()
             try:
-                held = await self._walk(walk)
+                held, longest = await self._walk(walk)
                 for _ in range(MAX_BARRIER_WAITS):
                     barrier = dc.checkpoint_barrier()
                     if barrier is None:
@@ -103,6 +103,7 @@ class OffLoop:
                 picture = dc.begin_checkpoint(walk)
                 pictured = time.perf_counter()
                 held += pictured - finished
+                longest = max(longest, pictured - finished)
                 index, seqs = await loop.run_in_executor(self._checkpointer, picture.values)
                 made = time.perf_counter()
                 await asyncio.wrap_future(dc.submit_checkpoint(picture, index, seqs))
@@ -113,23 +114,25 @@ class OffLoop:
                 raise
             self.num_checkpoints += 1
             # the picture is the part on the loop: in slices (picture_ms, the loop held
-            # held_ms of it in all)
+            # held_ms of it in all, longest_ms at most at once)
             log.info("checkpoint taken path=%s lsn=%d runs=%d picture_ms=%.1f held_ms=%.1f "
-                     "values_ms=%.1f write_ms=%.1f", dc.state_dir, picture.lsn,
-                     len(picture.nodes), (pictured - began) * 1e3, held * 1e3,
+                     "longest_ms=%.1f values_ms=%.1f write_ms=%.1f", dc.state_dir, picture.lsn,
+                     len(picture.nodes), (pictured - began) * 1e3, held * 1e3, longest * 1e3,
                      (made - pictured) * 1e3, (time.perf_counter() - made) * 1e3)
             return picture.lsn
 
     @staticmethod
-    async def _walk(walk) -> float:
-        """Step ``walk`` to its end, one slice per loop turn; returns the time it held the loop."""
-        held = 0.0
+    async def _walk(walk) -> tuple[float, float]:
+        """Step ``walk`` to its end, one slice per loop turn; returns the time it held the
+        loop, in all and at most at once."""
+        held = longest = 0.0
         while not walk.done:
             at = time.perf_counter()
             walk.step()
-            held += time.perf_counter() - at
+            took = time.perf_counter() - at
+            held, longest = held + took, max(longest, took)
             await asyncio.sleep(0)
-        return held
+        return held, longest
 
     async def checkpoint_all(self, engine) -> dict:
         """Checkpoint every pool, each even if another fails; returns ``{key: lsn}``.

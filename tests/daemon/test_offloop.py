@@ -247,6 +247,7 @@ def test_a_checkpoint_of_a_large_pool_lets_eight_clients_calls_through():
         print(f"\ncheckpoint of {indexed} blocks took {ended - began:.2f} s with {NUM_CLIENTS} "
               f"clients; {len(during)} of their calls began and ended inside it; loop lag over "
               f"the last 10 s p99 {p99 * 1e3:.1f} ms, max {worst * 1e3:.1f} ms")
+        print(*[line for line in d.log().splitlines() if "checkpoint taken" in line], sep="\n")
         assert len(during) >= NUM_CLIENTS, "the clients' calls waited for the checkpoint"
         # loosely (the host's own load moves it by a tenth of a second): the strict figure,
         # p99 < 10 ms, is the benchmark's
