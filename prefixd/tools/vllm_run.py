@@ -8,10 +8,13 @@ main venv; the main venv starts it through ``prefixd.tools.vllm_child``:
 
 ``P.json`` is a list of prompts, each a list of token ids (token ids, not text, so that every
 process and every connector sees the very same tokens) or ``{"ids": [...], "max_tokens": N}``
-(a longer request to kill mid-way). ``R.json`` gets one object:
+(a longer request to kill mid-way). ``--tensor-parallel-size`` / ``--pipeline-parallel-size``
+run vLLM's multiprocess executor (one worker process per rank, each bound to its share of the
+cores). ``R.json`` gets one object:
 ``startup_s`` (``LLM(...)`` construction) and ``results``, one per prompt in order, with
 ``tokens`` (the new token ids), ``ttft_ms``, ``total_ms``, ``num_cached_tokens`` (vLLM's own
-count of prompt tokens it did not compute) and ``external_hit_tokens`` (the connector's share
+count of prompt tokens it did not compute) and ``logprobs`` (with ``--logprobs N``: per generated token, token id -> logprob of its top N)
+and ``external_hit_tokens`` (the connector's share
 of them, from vLLM's ``vllm:external_prefix_cache_hits`` counter; ``null`` when vLLM does not
 report it). With ``--progress PATH`` a line ``started <i>`` is appended before prompt ``i`` is
 submitted and ``done <i> <its result as JSON>`` after it (and ``ready {"startup_s", "block_size"}``
@@ -45,8 +48,9 @@ CONNECTORS = ("none", "prefixd", "example")
 
 
 def transfer_config(connector: str, *, socket: str | None, storage: str | None,
-                    durability: str = "crash"):
-    """vLLM's ``KVTransferConfig`` for ``connector`` (``None`` for ``"none"``)."""
+                    durability: str = "crash", connector_class: str | None = None):
+    """vLLM's ``KVTransferConfig`` for ``connector`` (``None`` for ``"none"``);
+    ``connector_class`` (``module:Class``) names a class to load instead of prefixd's own."""
     from vllm.config import KVTransferConfig
 
     if connector == "none":
@@ -54,8 +58,9 @@ def transfer_config(connector: str, *, socket: str | None, storage: str | None,
     if connector == "prefixd":
         if not socket:
             raise SystemExit("--connector prefixd needs --socket (the daemon's Unix socket)")
-        return KVTransferConfig(kv_connector="PrefixdConnector",
-                                kv_connector_module_path="prefixd.client.vllm", kv_role="kv_both",
+        module, _, cls = (connector_class or "prefixd.client.vllm:PrefixdConnector").partition(":")
+        return KVTransferConfig(kv_connector=cls or "PrefixdConnector",
+                                kv_connector_module_path=module, kv_role="kv_both",
                                 kv_connector_extra_config={"prefixd.socket": socket,
                                                            "prefixd.durability": durability})
     if connector == "example":
@@ -64,6 +69,16 @@ def transfer_config(connector: str, *, socket: str | None, storage: str | None,
         return KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
                                 kv_connector_extra_config={"shared_storage_path": storage})
     raise SystemExit(f"unknown --connector {connector!r}: one of {', '.join(CONNECTORS)}")
+
+
+def cpu_binding(world: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``world`` CPU workers: this process's allowed cores
+    shared out in turn (``"0|1"`` for two on two cores). vLLM's own automatic binding refuses
+    a host with fewer NUMA nodes than workers ("Not enough allowed NUMA nodes")."""
+    cpus = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cpus) // world)
+    return "|".join(",".join(str(c) for c in (cpus[r * per:(r + 1) * per] or [cpus[r % len(cpus)]]))
+                    for r in range(world))
 
 
 def _external_hits(llm) -> int | None:
@@ -104,21 +119,26 @@ def run(args: argparse.Namespace) -> dict:
     kw = {}
     if args.block_size:
         kw["block_size"] = args.block_size
+    if args.tensor_parallel_size * args.pipeline_parallel_size > 1:
+        kw.update(tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+                  distributed_executor_backend="mp")
     llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
               enable_prefix_caching=args.prefix_caching, disable_log_stats=False, seed=0,
-              kv_transfer_config=transfer_config(args.connector, socket=args.socket,
-                                                 storage=args.storage, durability=args.durability),
+              kv_transfer_config=transfer_config(args.connector, socket=args.socket, storage=args.storage,
+                                                 durability=args.durability, connector_class=args.connector_class),
               **kw)
     startup_s = time.perf_counter() - t0
     block_size = llm.llm_engine.vllm_config.cache_config.block_size
     _progress(args.progress, "ready " + json.dumps({"startup_s": round(startup_s, 2), "block_size": block_size}))
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    logprobs = args.logprobs or None
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+                            logprobs=logprobs)
     results = []
     for i, prompt in enumerate(prompts):
         ids = prompt["ids"] if isinstance(prompt, dict) else prompt
         step = params
         if isinstance(prompt, dict) and "max_tokens" in prompt:
-            step = SamplingParams(temperature=0.0, max_tokens=prompt["max_tokens"], ignore_eos=True)
+            step = SamplingParams(temperature=0.0, max_tokens=prompt["max_tokens"], ignore_eos=True, logprobs=logprobs)
         _wait_gate(args.gate, f"go-{i}")
         before = _external_hits(llm)
         _progress(args.progress, f"started {i}")
@@ -141,6 +161,9 @@ def run(args: argparse.Namespace) -> dict:
             "num_cached_tokens": out.num_cached_tokens,
             "external_hit_tokens": None if before is None or after is None else after - before,
         })
+        if logprobs:
+            results[-1]["logprobs"] = [{str(tok): lp.logprob for tok, lp in step_lps.items()}
+                                       for step_lps in out.outputs[0].logprobs or ()]
         _progress(args.progress, f"done {i} {json.dumps(results[-1])}")
     _wait_gate(args.gate, "go-end")
     return {"connector": args.connector, "startup_s": round(startup_s, 2),
@@ -162,6 +185,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", help="compute and KV dtype (bfloat16 is emulated, slow, without AVX512)")
     p.add_argument("--block-size", type=int, help="vLLM's KV block size (default: vLLM's)")
     p.add_argument("--prefix-caching", action="store_true", help="turn vLLM's own prefix cache on")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's TP size (worker processes)")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1, help="vLLM's PP size")
+    p.add_argument("--logprobs", type=int, default=0, help="record the top-N logprobs of every generated token")
+    p.add_argument("--connector-class", help="module:Class of the prefixd connector (default: prefixd's own)")
     p.add_argument("--progress", help="append 'started i' / 'done i RESULT' lines here")
     p.add_argument("--gate", help="wait for DIR/go-<i> before prompt i and DIR/go-end before exit")
     return p.parse_args(argv)
@@ -171,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default takes a share of RAM
+    world = args.tensor_parallel_size * args.pipeline_parallel_size
+    if world > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(world))
     result = run(args)
     tmp = args.out + ".tmp"
     with open(tmp, "w") as f:

@@ -25,3 +25,21 @@ def test_a_child_that_dies_before_its_prompts_fails_with_its_output(monkeypatch,
     assert child.done() == []
     with pytest.raises(vllm_child.VllmFailed, match="exited with 1"):
         child.wait(timeout=60)
+
+
+def test_tp_workers_are_bound_to_the_allowed_cores_in_turn(monkeypatch):
+    """vLLM's own binding refuses a host with fewer NUMA nodes than workers; the child shares
+    out this process's cores instead (one each on the 2-core dev host)."""
+    from prefixd.tools import vllm_run
+
+    for cores, world, want in (({0, 1}, 2, "0|1"), ({0, 1, 2, 3}, 2, "0,1|2,3"), ({3}, 2, "3|3"),
+                               ({0, 1}, 4, "0|1|0|1")):
+        monkeypatch.setattr(vllm_run.os, "sched_getaffinity", lambda pid, c=cores: c)
+        assert vllm_run.cpu_binding(world) == want
+
+
+def test_a_tiny_llama_shape_whose_heads_do_not_divide_is_refused(tmp_path):
+    from prefixd.tools import tiny_llama
+
+    with pytest.raises(ValueError, match="num_kv_heads must divide"):
+        tiny_llama.build(tmp_path, num_heads=8, num_kv_heads=3)

@@ -99,7 +99,7 @@ def test_plan_loads_the_hit_then_saves_the_new_full_blocks():
     plan = side.build_plan([], [("r", None, False, 3 * BS + 1)], {"r": BS + 1})
     assert plan.loads == []
     assert [(t.block_ids, t.slots) for t in plan.saves] == [((10,), (103,))]
-    side.on_report(SaveReport({"r": 2}))
+    side.on_report(SaveReport({"r": {0: 2}}))
     assert [d for _, d in session.committed] == ["crash"]  # shareable before the request ends
     side.finished("r")
     assert [c for _, c, _ in session.released] == [False]
@@ -166,7 +166,7 @@ def test_finish_before_the_last_save_report_commits_when_it_arrives():
     side.finished("r")
     assert session.released == []
     side.check_invariants()
-    side.on_report(SaveReport({"r": 2}))
+    side.on_report(SaveReport({"r": {0: 2}}))
     assert [c for _, c, _ in session.released] == [True]
 
 
@@ -176,7 +176,7 @@ def test_a_prompt_not_fully_saved_is_released_without_commit():
     side = _side(session)
     _admit(side, "a", list(range(3 * BS)))
     side.build_plan([("a", [1, 2, 3], 0)], [], {"a": BS})
-    side.on_report(SaveReport({"a": 1}))
+    side.on_report(SaveReport({"a": {0: 1}}))
     side.finished("a")
     _admit(side, "b", list(range(2 * BS)))
     side.build_plan([("b", [4, 5], 0)], [], {"b": 2 * BS})
@@ -283,7 +283,7 @@ def test_a_prompt_is_committed_once_saved_not_when_the_request_ends():
     side = _side(session, durability="power")
     _admit(side, "r", list(range(2 * BS + 1)))
     side.build_plan([("r", [1, 2, 3], 0)], [], {"r": 2 * BS + 1})
-    side.on_report(SaveReport({"r": 2}))
+    side.on_report(SaveReport({"r": {0: 2}}))
     assert [d for _, d in session.committed] == ["power"] and session.released == []
     side.build_plan([], [("r", [4], False, 2 * BS + 1)], {"r": 1})  # decoding
     side.on_report(SaveReport())

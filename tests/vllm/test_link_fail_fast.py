@@ -53,7 +53,7 @@ def commit_prompt(side, prompt):
 
     admit(side, "warm", prompt)
     side.build_plan([("warm", list(range(len(prompt) // BS + 1)), 0)], [], {"warm": len(prompt)})
-    side.on_report(SaveReport({"warm": len(prompt) // BS}))
+    side.on_report(SaveReport({"warm": {0: len(prompt) // BS}}))
     side.finished("warm")
     assert side.stats.committed == 1
 

@@ -15,7 +15,7 @@ import pytest
 from prefixd.client.breaker import DEFAULT_REQUEST_TIMEOUT_MS
 from prefixd.tools import vllm_child
 from tests.daemon.harness import start_daemon
-from tests.vllm.test_vllm_scenarios import CONFIG, NEW_TOKENS, SYSTEM_TOKENS, _must_have
+from tests.vllm.real_vllm import CONFIG, NEW_TOKENS, chat_prompts, smollm2_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -29,22 +29,9 @@ NOISE_S = 0.5
 
 @pytest.fixture(scope="module")
 def prompts():
-    try:
-        vllm_child.vllm_python()
-    except vllm_child.VllmMissing as exc:
-        _must_have(str(exc))
-    pytest.importorskip("transformers")
-    from transformers import AutoTokenizer
-
-    from prefixd.tools import chat_requests, smollm2
-
-    try:
-        model_dir = smollm2.convert()
-    except smollm2.SmolLM2Missing as exc:
-        _must_have(str(exc))
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    reqs = chat_requests.build_requests(tokenizer, 2, 2, SYSTEM_TOKENS)
-    return model_dir, [r.input_ids for r in reqs]
+    model_dir = smollm2_dir()
+    by_key = chat_prompts(model_dir)
+    return model_dir, [by_key[k] for k in sorted(by_key)]
 
 
 def test_a_hung_daemon_costs_one_request_at_most_its_calls_deadlines_and_the_rest_nothing(prompts, tmp_path):

@@ -28,74 +28,27 @@ request is a whole hit. Skipped with a reason where the vLLM venv is missing, ex
 under CI or as root, where a missing venv fails (``make test`` makes it).
 """
 
-import os
-import time
-
 import pytest
 
-from prefixd.api import prefixd_pb2 as pb
 from prefixd.tools import vllm_child
 from tests.daemon.harness import start_daemon
-from tests.requires import missing
+from tests.vllm.real_vllm import (CONFIG, NEW_TOKENS, chat_prompts, full_blocks_below_last, held, released,
+                                  smollm2_dir, stats, wait)
 
 pytestmark = pytest.mark.timeout(900)
 
-NEW_TOKENS = 8
-SYSTEM_TOKENS = 200
 LONG_TOKENS = 400  # the request killed mid-way: far longer than the wait for its pins
-
-# SmolLM2 at vLLM's CPU block size in float32: 128 tokens x 30 layers x 2 x 3 x 64 x 4 bytes =
-# 5.6 MiB a block. Small pools; recovered sequences (a release is not durable by itself) are
-# released soon after a restart, so the pin check sees only the vLLM it kills.
-CONFIG = """
-[engine]
-sync = "commit"
-shm_dir = "{shm}"
-reclaim_grace_s = 2.0
-
-[engine.blocks]
-device = 32
-host = 32
-disk = 64
-
-[daemon]
-lease_s = {lease_s}
-"""
-
-
-def _must_have(reason: str) -> None:
-    """Skip, or fail where the environment promises the vLLM venv (``.ci/run``:
-    ``tests.requires``; CI, or root as in CI)."""
-    if os.environ.get("CI") or os.geteuid() == 0:
-        pytest.fail(reason + " (CI and root runs must have it: make vllm-venv)")
-    missing(reason + " (make vllm-venv)")
 
 
 @pytest.fixture(scope="module")
 def model_dir():
-    try:
-        vllm_child.vllm_python()
-    except vllm_child.VllmMissing as exc:
-        _must_have(str(exc))
-    pytest.importorskip("transformers")
-    from prefixd.tools import smollm2
-
-    try:
-        return smollm2.convert()  # made by `make vllm-venv`; at once when it is there
-    except smollm2.SmolLM2Missing as exc:
-        _must_have(str(exc))
+    return smollm2_dir()
 
 
 @pytest.fixture(scope="module")
 def prompts(model_dir):
     """``[(system, question)] -> token ids`` for 2 systems x 2 questions."""
-    from transformers import AutoTokenizer
-
-    from prefixd.tools import chat_requests
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    return {(r.system, r.question): r.input_ids
-            for r in chat_requests.build_requests(tokenizer, 2, 2, SYSTEM_TOKENS)}
+    return chat_prompts(model_dir)
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +100,7 @@ def pair(model_dir, prompts, daemon, baseline_child, tmp_path_factory):
         f.open_gate("2")
         f.wait_for("done 2")
         both_alive = c.proc.poll() is None and f.proc.poll() is None
-        stats = _values(daemon)
+        then = stats(daemon)
         f.open_gate("end")
         c.open_gate("end")
         f_done, c_done = f.wait().results, c.wait().results
@@ -155,7 +108,7 @@ def pair(model_dir, prompts, daemon, baseline_child, tmp_path_factory):
         c.kill9()
         f.kill9()
     return ({(0, 0): f_done[0], (0, 1): f_done[1], (1, 1): f_done[2]},
-            {(0, 0): c_done[0], (1, 0): c_done[1]}, both_alive, stats, bs)
+            {(0, 0): c_done[0], (1, 0): c_done[1]}, both_alive, then, bs)
 
 
 @pytest.fixture(scope="module")
@@ -163,51 +116,24 @@ def restarted(model_dir, prompts, daemon, pair, tmp_path_factory):
     """``(results of the request after the restart, Stats while the long request ran, after)``."""
     daemon.kill()
     daemon.start()
-    _wait(lambda: _held(_values(daemon)) == (0, 0, 0), 60, "recovered sequences were not released")
+    wait(lambda: held(stats(daemon)) == (0, 0, 0), 60, "recovered sequences were not released")
     child = vllm_child.start_vllm(model_dir, [prompts[1, 0], {"ids": prompts[0, 1], "max_tokens": LONG_TOKENS}],
                                   max_tokens=NEW_TOKENS, connector="prefixd", socket=daemon.socket,
                                   workdir=str(tmp_path_factory.mktemp("restarted")))
     try:
         child.wait_for("started 1")
-        during = _wait(lambda: _pinned(_values(daemon)), 300, "the long request never showed pins")
+        during = wait(lambda: _pinned(stats(daemon)), 300, "the long request never showed pins")
         assert child.proc.poll() is None and not any(x.startswith("done 1") for x in child.lines()), \
             "the long request ended before the kill: raise LONG_TOKENS"
     finally:
         child.kill9()
     done = child.done()
-    after = _wait(lambda: _released(_values(daemon)), 3.0 + 10, "a killed vLLM's session kept its pins")
+    after = wait(lambda: released(stats(daemon)), 3.0 + 10, "a killed vLLM's session kept its pins")
     return done, during, after
 
 
-def _values(daemon) -> dict:
-    return dict(daemon.stub().Stats(pb.StatsRequest(), timeout=30).values)
-
-
-def _held(values: dict) -> tuple:
-    return (int(values.get("prefixd_sequences", 0)), int(values.get("prefixd_refcount", 0)),
-            int(values.get("prefixd_pinned_device_blocks", 0)))
-
-
 def _pinned(values: dict) -> dict | None:
-    return values if _held(values)[1] > 0 else None
-
-
-def _released(values: dict) -> dict | None:
-    return values if values.get("prefixd_sessions") == 0 and _held(values) == (0, 0, 0) else None
-
-
-def _wait(probe, timeout: float, message: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = probe()
-        if got:
-            return got
-        time.sleep(0.05)
-    pytest.fail(f"{message} within {timeout} s")
-
-
-def _full_blocks_below_last(prompt: list[int], block_size: int) -> int:
-    return (len(prompt) - 1) // block_size * block_size
+    return values if held(values)[1] > 0 else None
 
 
 def _shared_blocks(a: list[int], b: list[int], block_size: int) -> int:
@@ -227,7 +153,7 @@ def test_the_same_prompts_give_the_same_tokens_with_and_without_the_prefixd_conn
 def test_a_second_vllm_process_gets_external_hits_for_what_the_first_computed(pair, baseline, prompts):
     _, c_results, _, stats, bs = pair
     r = c_results[0, 0]
-    assert r["external_hit_tokens"] == _full_blocks_below_last(prompts[0, 0], bs) > 0
+    assert r["external_hit_tokens"] == full_blocks_below_last(prompts[0, 0], bs) > 0
     assert r["tokens"] == baseline[0, 0]
     # the daemon's own Stats count the hits the processes report
     hits = sum(x["external_hit_tokens"] for x in (*pair[0].values(), *c_results.values()))
@@ -247,11 +173,11 @@ def test_after_kill_9_of_the_daemon_and_a_restart_the_next_vllm_request_still_hi
     done, _, _ = restarted
     bs = pair[4]
     (r,) = done
-    assert r["external_hit_tokens"] == _full_blocks_below_last(prompts[1, 0], bs) > 0
+    assert r["external_hit_tokens"] == full_blocks_below_last(prompts[1, 0], bs) > 0
     assert r["tokens"] == baseline[1, 0]
 
 
 def test_kill_9_of_vllm_mid_request_leaves_no_session_sequence_or_pin(restarted):
     _, during, after = restarted
-    assert during["prefixd_sessions"] >= 1 and _held(during)[1] > 0  # it did hold pins
-    assert after["prefixd_sessions"] == 0 and _held(after) == (0, 0, 0)
+    assert during["prefixd_sessions"] >= 1 and held(during)[1] > 0  # it did hold pins
+    assert after["prefixd_sessions"] == 0 and held(after) == (0, 0, 0)

@@ -37,14 +37,17 @@ paged KV tensors (their layout found from the tensors themselves, ``paged_layout
 daemon's mapped pool, before the forward (loads) and after it (saves). prefixd's block size
 is vLLM's ``cache_config.block_size``: the connector attaches with a KV layout built from
 vLLM's cache spec, and the daemon keeps a pool per layout. A daemon that is down or
-restarting is a miss, never a failed request. One INFO line per request on the
-``prefixd.client.vllm`` logger gives its ``external_hit_tokens``.
+restarting is a miss, never a failed request. Under tensor or pipeline parallelism the layout
+is the whole model's (every layer and KV head, whatever the TP/PP sizes, so engines of any
+size share blocks), each worker copies only its slice of a block (its KV heads, its stage's
+layers: ``shards``), and a prompt is committed only once every worker saved its slice. One
+INFO line per request on the ``prefixd.client.vllm`` logger gives its ``external_hit_tokens``.
 
 Modules: ``connector`` (the vLLM class; the only one that imports vLLM), ``scheduler`` and
 ``worker`` (the two halves), ``metadata`` (what travels between them), ``paged_layout``
-(vLLM's KV tensor forms), ``block_transfer`` (the copies), ``daemon_link`` (a session where
-trouble is a miss), ``miss_log`` (misses said at WARNING once a minute per reason), ``options``
-(the keys above).
+(vLLM's KV tensor forms), ``shards`` (which slice of a block a TP/PP rank holds),
+``block_transfer`` (the copies), ``daemon_link`` (a session where trouble is a miss),
+``miss_log`` (misses said at WARNING once a minute per reason), ``options`` (the keys above).
 
 NOTE: this package imports without vLLM; ``PrefixdConnector`` is loaded on first access
 (vLLM's loader does ``getattr(module, "PrefixdConnector")``).

@@ -1,9 +1,12 @@
 """Whole blocks between vLLM's paged KV tensors and prefixd's mapped pool (pure tensor code).
 
-``views`` are the per-layer block-order views of vLLM's tensors (``PagedLayout.view``:
-``[num_blocks, 2, block_size, num_kv_heads, head_dim]``, in prefixd's layer order); ``pool`` is
-the session's mapped device pool ``[num_slots, num_layers, 2, block_size, num_kv_heads,
-head_dim]``. vLLM block ``block_ids[i]`` pairs with prefixd slot ``slots[i]``.
+``views`` are the per-layer block-order views of one worker's vLLM tensors
+(``PagedLayout.view``: ``[num_blocks, 2, block_size, heads, head_dim]`` with the worker's
+``heads``); ``pool`` is the session's mapped device pool ``[num_slots, num_layers, 2,
+block_size, num_kv_heads, head_dim]`` of the whole model; ``shard`` (``shards.Shard``) says
+which pool layer each view is and which KV heads the worker holds: a copy touches only that
+slice of each block, in place (no gather through one process). vLLM block ``block_ids[i]``
+pairs with prefixd slot ``slots[i]``.
 
 NOTE: one ``copy_`` per layer per run of blocks consecutive on both sides (vLLM hands out
 consecutive block ids to a new prompt and the daemon consecutive slots, so a prompt is
@@ -36,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from prefixd.client.vllm.shards import Shard
 from prefixd.kernels.token_io import numpy_view
 
 COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0))))  # memory-bound: a few cores saturate it
@@ -53,40 +57,53 @@ def runs(block_ids, slots) -> list[tuple[int, int, int]]:
     return out
 
 
-def check_pair(pool: torch.Tensor, views, block_ids, slots) -> None:
-    """Raises ValueError when the pool and the views disagree on a block's shape or dtype, or
-    the id lists differ in length (a caller bug: the message says which)."""
+def check_pair(pool: torch.Tensor, views, block_ids, slots, shard: Shard | None = None) -> Shard:
+    """The shard the copy is for (the whole block when ``shard`` is None).
+
+    Raises:
+        ValueError: the pool and the views disagree on a block's shape or dtype, the shard
+            names layers or heads the pool lacks, or the id lists differ in length (a
+            caller bug: the message says which).
+    """
     if len(block_ids) != len(slots):
         raise ValueError(f"{len(block_ids)} vLLM blocks for {len(slots)} prefixd slots")
-    if pool.dim() != 6 or pool.shape[1] != len(views):
-        raise ValueError(f"the pool {tuple(pool.shape)} does not hold {len(views)} layers")
+    if pool.dim() != 6:
+        raise ValueError(f"the pool {tuple(pool.shape)} is not [slots, layers, 2, block_size, heads, head_dim]")
+    shard = shard or Shard.whole(pool.shape[1], pool.shape[4])
+    if len(shard.layers) != len(views) or max(shard.layers, default=-1) >= pool.shape[1] \
+            or shard.heads[1] > pool.shape[4]:
+        raise ValueError(f"the pool {tuple(pool.shape)} does not hold the {len(views)} layers {shard.layers} "
+                         f"and KV heads {shard.heads} of this worker")
+    block = (pool.shape[2], pool.shape[3], shard.num_kv_heads, pool.shape[5])
     for view in views:
-        if tuple(view.shape[1:]) != tuple(pool.shape[2:]) or view.dtype != pool.dtype:
-            raise ValueError(f"a vLLM block {tuple(view.shape[1:])} of {view.dtype} is not a pool block "
-                             f"layer {tuple(pool.shape[2:])} of {pool.dtype}")
+        if tuple(view.shape[1:]) != block or view.dtype != pool.dtype:
+            raise ValueError(f"a vLLM block {tuple(view.shape[1:])} of {view.dtype} is not this worker's slice "
+                             f"{block} of a pool block layer {tuple(pool.shape[2:])} of {pool.dtype}")
+    return shard
 
 
-def load_blocks(pool: torch.Tensor, views, block_ids, slots) -> None:
-    """vLLM blocks ``block_ids`` (every layer) = prefixd slots ``slots``."""
-    _transfer(pool, views, block_ids, slots, into_vllm=True)
+def load_blocks(pool: torch.Tensor, views, block_ids, slots, shard: Shard | None = None) -> None:
+    """vLLM blocks ``block_ids`` (every layer of the worker) = its slice of prefixd slots ``slots``."""
+    _transfer(pool, views, block_ids, slots, shard, into_vllm=True)
 
 
-def save_blocks(pool: torch.Tensor, views, block_ids, slots) -> None:
-    """prefixd slots ``slots`` (every layer) = vLLM blocks ``block_ids``."""
-    _transfer(pool, views, block_ids, slots, into_vllm=False)
+def save_blocks(pool: torch.Tensor, views, block_ids, slots, shard: Shard | None = None) -> None:
+    """The worker's slice of prefixd slots ``slots`` = vLLM blocks ``block_ids`` (every layer)."""
+    _transfer(pool, views, block_ids, slots, shard, into_vllm=False)
 
 
-def _transfer(pool: torch.Tensor, views, block_ids, slots, *, into_vllm: bool) -> None:
-    if not block_ids:
+def _transfer(pool: torch.Tensor, views, block_ids, slots, shard: Shard | None, *, into_vllm: bool) -> None:
+    if not block_ids or not views:
         return
-    check_pair(pool, views, block_ids, slots)
+    shard = check_pair(pool, views, block_ids, slots, shard)
+    h0, h1 = shard.heads
     spans = runs(block_ids, slots)
     pairs = []
-    for layer, view in enumerate(views):
+    for layer, view in zip(shard.layers, views):
         for b, s, k in spans:
-            ours, theirs = numpy_view(pool[s:s + k, layer]), numpy_view(view[b:b + k])
+            ours, theirs = numpy_view(pool[s:s + k, layer, :, :, h0:h1]), numpy_view(view[b:b + k])
             pairs.append((theirs, ours) if into_vllm else (ours, theirs))
-    nbytes = len(block_ids) * pool[0].numel() * pool.element_size()
+    nbytes = len(block_ids) * views[0][0].numel() * len(views) * pool.element_size()
     shares = min(COPY_THREADS, len(pairs)) if nbytes >= SPLIT_BYTES else 1
     if shares <= 1:
         _copy_all(pairs)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole, KVConnectorWorkerMetadata)
@@ -20,6 +20,7 @@ from prefixd.client.vllm.daemon_link import DaemonLink
 from prefixd.client.vllm.metadata import SaveReport, StepPlan
 from prefixd.client.vllm.options import ConnectorOptions
 from prefixd.client.vllm.scheduler import SchedulerSide
+from prefixd.client.vllm.shards import Shard, head_range, pool_layers
 from prefixd.client.vllm.worker import WorkerSide
 
 log = logging.getLogger(__name__)
@@ -60,10 +61,11 @@ class PrefixdConnector(KVConnectorBase_V1):
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         try:
-            layout, layer_names = prefixd_layout(vllm_config, kv_cache_config, self.options)
+            model_kv = prefixd_layout(vllm_config, kv_cache_config, self.options)
         except ValueError as exc:
             log.error("prefixd connector disabled (every request is a miss): %s", exc)
             return
+        layout = model_kv.layout
         name = f"vllm-{role.name.lower()}-{os.getpid()}"
         max_model_len = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
         opts = self.options
@@ -72,14 +74,20 @@ class PrefixdConnector(KVConnectorBase_V1):
             link = DaemonLink(opts.socket, layout, name, mapped=False, timeout_s=opts.timeout_s, retry_s=opts.retry_s,
                               request_timeout_ms=opts.request_timeout_ms, max_model_len=max_model_len)
             link.start()  # attach in the background now, not on the first request
-            self.scheduler = SchedulerSide(link, layout.block_size, opts.durability)
+            self.scheduler = SchedulerSide(link, layout.block_size, opts.durability, num_shards=model_kv.num_shards)
+            shard = None
         else:
+            try:
+                shard = worker_shard(vllm_config, model_kv)
+            except ValueError as exc:
+                log.error("prefixd connector disabled (every request is a miss): %s", exc)
+                return
             link = DaemonLink(opts.socket, layout, name, mapped=True, timeout_s=opts.timeout_s, retry_s=opts.retry_s,
                               request_timeout_ms=opts.request_timeout_ms, max_model_len=max_model_len)
-            self.worker = WorkerSide(link, layer_names, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                                     block_size=layout.block_size)
-        log.info("prefixd connector role=%s socket=%s layout=%s durability=%s request_timeout_ms=%g", role.name,
-                 opts.socket, layout, opts.durability, opts.request_timeout_ms)
+            self.worker = WorkerSide(link, model_kv.layer_names, num_kv_heads=model_kv.num_kv_heads,
+                                     head_dim=layout.head_dim, block_size=layout.block_size, shard=shard)
+        log.info("prefixd connector role=%s socket=%s layout=%s shard=%s durability=%s request_timeout_ms=%g",
+                 role.name, opts.socket, layout, shard, opts.durability, opts.request_timeout_ms)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -177,35 +185,77 @@ class PrefixdConnector(KVConnectorBase_V1):
             log.info("kv_load_failure_policy set to recompute: a block prefixd cannot give is computed")
 
 
-def prefixd_layout(vllm_config, kv_cache_config, options: ConnectorOptions) -> tuple[KVLayout, list[str]]:
-    """prefixd's ``KVLayout`` for vLLM's KV cache, and vLLM's attention layer names in
-    prefixd's layer order. The block size is vLLM's ``cache_config.block_size`` (the cache
-    spec's), so the two agree by construction.
+class ModelKV(NamedTuple):
+    """The pool layout of the whole model and this process's part of it."""
+
+    layout: KVLayout        # the whole model: every layer, every KV head
+    layer_names: list       # this process's KV layers, in its order
+    pool_layers: tuple      # the pool layer of each of them
+    num_kv_heads: int       # the KV heads each rank holds (vLLM's cache spec)
+    total_kv_heads: int
+    tp_size: int
+    pp_size: int
+
+    @property
+    def num_shards(self) -> int:
+        return self.tp_size * self.pp_size
+
+
+def prefixd_layout(vllm_config, kv_cache_config, options: ConnectorOptions) -> ModelKV:
+    """prefixd's ``KVLayout`` for vLLM's model, and this process's layers in it. The layout is
+    the whole model's KV (its total layers and KV heads, whatever the tensor and pipeline
+    parallel sizes), so engines of one model at any TP or PP share one pool; the block size is
+    vLLM's ``cache_config.block_size`` (the cache spec's), so the two agree by construction.
 
     Raises:
         ValueError: a KV cache the connector does not serve (the message says why).
     """
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-        raise ValueError("tensor or pipeline parallelism: each rank holds part of the heads or layers, "
-                         "and a prefixd pool holds whole blocks (run one vLLM per device)")
+    tp, pp = int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
     groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
     if len(groups) != 1:
-        raise ValueError(f"{len(groups)} KV cache groups (hybrid or sliding-window models); the connector "
-                         f"serves models with one full-attention group")
+        raise ValueError(f"{len(groups)} KV cache groups (a hybrid model: sliding-window or state-space layers "
+                         f"beside full attention); the connector serves models with one full-attention group")
     spec = groups[0].kv_cache_spec
     for field in ("block_size", "num_kv_heads", "head_size", "dtype"):
         if not hasattr(spec, field):
-            raise ValueError(f"KV cache spec {type(spec).__name__} has no {field} (not attention KV)")
+            raise ValueError(f"KV cache spec {type(spec).__name__} has no {field} (not attention KV, "
+                             f"or layers of different shapes)")
     if getattr(spec, "head_size_v", spec.head_size) != spec.head_size:
         raise ValueError("K and V of different head sizes")
-    model_id = options.model_id or str(vllm_config.model_config.model)
+    model_config = vllm_config.model_config
+    total_heads = int(model_config.get_total_num_kv_heads()) if tp > 1 else int(spec.num_kv_heads)
+    first, end = head_range(total_heads, tp, 0)
+    if end - first != spec.num_kv_heads:
+        raise ValueError(f"vLLM's cache holds {spec.num_kv_heads} KV heads per rank, not the {end - first} of "
+                         f"{total_heads} heads over tensor parallel size {tp}")
+    names = list(groups[0].layer_names)
+    total_layers = int(model_config.get_total_num_hidden_layers()) if pp > 1 else len(names)
+    layers, num_layers = pool_layers(names, total_layers, pp > 1)
+    model_id = options.model_id or str(model_config.model)
     if len(model_id) > 256:
         model_id = hashlib.blake2b(model_id.encode(), digest_size=16).hexdigest()
     dtype = str(spec.dtype).removeprefix("torch.")
-    layout = KVLayout(model_id=model_id, num_layers=len(groups[0].layer_names), num_kv_heads=spec.num_kv_heads,
+    layout = KVLayout(model_id=model_id, num_layers=num_layers, num_kv_heads=total_heads,
                       head_dim=spec.head_size, dtype=dtype, block_size=spec.block_size)
-    return layout, list(groups[0].layer_names)
+    return ModelKV(layout, names, layers, int(spec.num_kv_heads), total_heads, tp, pp)
+
+
+def worker_shard(vllm_config, model_kv: ModelKV) -> Shard:
+    """This worker's ``Shard``: its TP rank's KV heads and its PP stage's layers (vLLM's
+    parallel groups are set up before it makes a worker's connector).
+
+    Raises:
+        ValueError: the ranks do not fit the model (the message says how).
+    """
+    if model_kv.num_shards == 1:
+        return Shard(0, 1, model_kv.pool_layers, (0, model_kv.total_kv_heads))
+    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+    tp_rank = int(get_tensor_model_parallel_rank())
+    pp_rank = int(get_pp_group().rank_in_group) if model_kv.pp_size > 1 else 0
+    return Shard(pp_rank * model_kv.tp_size + tp_rank, model_kv.num_shards, model_kv.pool_layers,
+                 head_range(model_kv.total_kv_heads, model_kv.tp_size, tp_rank))
 
 
 def attention_backends(vllm_config) -> dict[str, str]:

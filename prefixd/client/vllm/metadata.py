@@ -7,8 +7,11 @@ base classes wrap them in ``connector.py``, so this module imports no vLLM.
   to save after it, each as ``Transfer``\\ s pairing vLLM block ids with prefixd slots, under the
   daemon ``epoch`` the slots were handed out in; and the vLLM blocks the scheduler already knows
   it cannot load (``failed_block_ids``: promised under a daemon epoch that has ended), which the worker reports to vLLM as load errors in this step.
-- ``SaveReport`` (worker -> scheduler, one per step): blocks saved per request, and requests
-  with a save that failed (their sequence is then released without a commit).
+- ``SaveReport`` (worker -> scheduler, one per step): blocks saved per request by each shard
+  (one worker's slice of every block: its KV heads under tensor parallelism, its layers under
+  pipeline parallelism; ``shards.py``), and requests with a save that failed (their sequence
+  is then released without a commit). vLLM merges the workers' reports of a step into one
+  (``merge``); a block counts as saved only when every shard saved it.
 """
 
 from __future__ import annotations
@@ -48,14 +51,28 @@ class StepPlan:
 
 @dataclasses.dataclass
 class SaveReport:
-    """Blocks saved per request this step, and requests whose save failed."""
+    """Blocks saved this step per request and shard (``saved[req_id][shard] = blocks``), and
+    requests whose save failed on some shard."""
 
-    saved: dict[str, int] = dataclasses.field(default_factory=dict)
+    saved: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)
     failed: set[str] = dataclasses.field(default_factory=set)
+
+    def add(self, req_id: str, shard: int, num_blocks: int) -> None:
+        by_shard = self.saved.setdefault(req_id, {})
+        by_shard[shard] = by_shard.get(shard, 0) + num_blocks
 
     def merge(self, other: "SaveReport") -> "SaveReport":
         """Both reports in one (several workers' reports for one step)."""
-        saved = dict(self.saved)
-        for req_id, n in other.saved.items():
-            saved[req_id] = saved.get(req_id, 0) + n
-        return SaveReport(saved, self.failed | other.failed)
+        out = SaveReport({r: dict(by_shard) for r, by_shard in self.saved.items()}, self.failed | other.failed)
+        for req_id, by_shard in other.saved.items():
+            for shard, n in by_shard.items():
+                out.add(req_id, shard, n)
+        return out
+
+    def whole_blocks(self, req_id: str, num_shards: int) -> tuple[int, bool]:
+        """``(blocks every shard saved, whether the shards agree)`` for ``req_id``: the shards of
+        one step save the same blocks, so a shard that saved fewer (or none: a worker that
+        reported nothing) left blocks that are not whole."""
+        by_shard = self.saved.get(req_id, {})
+        counts = [by_shard.get(s, 0) for s in range(num_shards)]
+        return min(counts), max(counts) == min(counts) and set(by_shard) <= set(range(num_shards))

@@ -14,8 +14,10 @@ Per request, in vLLM's order:
    recomputes them.
 3. ``build_plan`` each step: loads (promised blocks, once) and saves (blocks of the prompt that
    are full after this step and that prefixd does not hold), as vLLM block id <-> prefixd slot.
-4. ``on_report``: the worker's saves of a step, counted per request; the report that
-   completes a prompt (every full block past the cached prefix saved) commits it at the
+4. ``on_report``: the workers' saves of a step, counted per request as the blocks every shard
+   saved (under tensor or pipeline parallelism each worker writes its slice of a block, and a
+   block is whole only when all ``num_shards`` did; a shard that saved less fails the request,
+   which is then released uncommitted); the report that completes a prompt (every full block past the cached prefix saved) commits it at the
    configured durability at once, so that other vLLMs hit it while this one still decodes.
 5. ``finished``: ``Release`` (committing first if the commit is still owed). vLLM finishes a
    request before it hands the scheduler that step's worker report, so a request whose saves
@@ -109,10 +111,11 @@ class SchedulerSide:
     this side holds belongs to one of them (``check_invariants``).
     """
 
-    def __init__(self, link: DaemonLink, block_size: int, durability: str) -> None:
+    def __init__(self, link: DaemonLink, block_size: int, durability: str, num_shards: int = 1) -> None:
         self.link = link
         self.block_size = block_size
         self.durability = durability
+        self.num_shards = num_shards
         self.stats = SchedulerStats()
         self._matched: dict[str, tuple[int, int]] = {}
         self._tracked: dict[str, Tracked] = {}
@@ -180,13 +183,19 @@ class SchedulerSide:
         return plan
 
     def on_report(self, report: SaveReport) -> None:
-        """The worker's saves of one step: commits the prompts they complete and releases the
-        parked requests they settle."""
-        for req_id, n in report.saved.items():
+        """The workers' saves of one step (every shard's, merged by vLLM): commits the prompts
+        they complete and releases the parked requests they settle."""
+        for req_id in report.saved:
             t = self._tracked.get(req_id) or self._parked.get(req_id)
-            if t is not None:
-                t.confirmed += n
-                self.stats.saved_blocks += n
+            if t is None:
+                continue
+            n, agree = report.whole_blocks(req_id, self.num_shards)
+            if not agree:
+                log.warning("request=%s: the workers' saves differ %s over %d shards; not committed",
+                            req_id, report.saved[req_id], self.num_shards)
+                t.failed = True
+            t.confirmed += n
+            self.stats.saved_blocks += n
         for req_id in report.failed:
             t = self._tracked.get(req_id) or self._parked.get(req_id)
             if t is not None:

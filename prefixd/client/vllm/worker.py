@@ -6,7 +6,12 @@ prefixd's mapped pool as the scheduler side planned them (pure Python + torch; n
 - ``load`` (vLLM's ``start_load_kv``, before the forward): the plan's loads; blocks it cannot
   load (no mapping, another daemon epoch, lease lost) become load errors for vLLM.
 - ``save`` (vLLM's ``wait_for_save``, after the forward): the plan's saves, reported per
-  request to the scheduler side (``take_report``), which commits only what was saved.
+  request and shard to the scheduler side (``take_report``), which commits only what every
+  shard saved.
+
+Under tensor or pipeline parallelism each worker process has its own ``WorkerSide`` and
+session, and copies only its ``Shard`` of each block (its KV heads, its layers) between its
+tensors and the whole-model pool, in place; every worker gets the same plan.
 
 NOTE: the copies are synchronous, all layers at once: on a CPU backend the forward and the
 copy share the same cores, so overlapping a layer's copy with the next layer's compute buys
@@ -25,6 +30,7 @@ from prefixd.client.vllm.block_transfer import load_blocks, save_blocks
 from prefixd.client.vllm.daemon_link import DaemonLink
 from prefixd.client.vllm.metadata import SaveReport, StepPlan
 from prefixd.client.vllm.paged_layout import LayoutError, find_layout, split_for_backend
+from prefixd.client.vllm.shards import Shard
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +42,18 @@ class WorkerSide:
     every layer's layout); ``_errors`` (vLLM block ids that failed to load, until taken);
     ``_report`` (this step's saves, until taken).
 
-    Invariants: ``views`` is None or has one view per layer of the layout, each of shape
-    ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``.
+    Invariants: ``views`` is None or has one view per layer of the worker (``layer_names``,
+    the pool layers ``shard.layers``), each of shape ``[num_blocks, 2, block_size,
+    shard.num_kv_heads, head_dim]``.
     """
 
     def __init__(self, link: DaemonLink, layer_names, *, num_kv_heads: int, head_dim: int,
-                 block_size: int) -> None:
+                 block_size: int, shard: Shard | None = None) -> None:
         self.link = link
         self.layer_names = list(layer_names)
+        self.shard = shard or Shard.whole(len(self.layer_names), num_kv_heads)
+        if len(self.shard.layers) != len(self.layer_names) or self.shard.num_kv_heads != num_kv_heads:
+            raise ValueError(f"{self.shard} does not hold {len(self.layer_names)} layers of {num_kv_heads} KV heads")
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.block_size = block_size
@@ -96,7 +106,7 @@ class WorkerSide:
             self._errors.update(ids)
             return
         for t in plan.loads:
-            load_blocks(pool, self.views, t.block_ids, t.slots)
+            load_blocks(pool, self.views, t.block_ids, t.slots, self.shard)
         if not self._held(plan.epoch):  # the daemon died under the copy: the slots may be reused
             self._errors.update(ids)
             return
@@ -109,12 +119,12 @@ class WorkerSide:
         pool = self._pool(plan.epoch)
         if pool is not None:
             for t in plan.saves:
-                save_blocks(pool, self.views, t.block_ids, t.slots)
+                save_blocks(pool, self.views, t.block_ids, t.slots, self.shard)
         if pool is None or not self._held(plan.epoch):
             self._report.failed.update(t.req_id for t in plan.saves)
             return
         for t in plan.saves:
-            self._report.saved[t.req_id] = self._report.saved.get(t.req_id, 0) + len(t.block_ids)
+            self._report.add(t.req_id, self.shard.index, len(t.block_ids))
             self.saved_blocks += len(t.block_ids)
 
     def take_load_errors(self) -> set[int]:
