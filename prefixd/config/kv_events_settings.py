@@ -5,6 +5,7 @@
     replay_endpoint = "tcp://127.0.0.1:5567"  # its ROUTER for replays ("" none)
     topic = ""                            # "" the tenant's name
     buffer_batches = 10000                # batches kept per tenant for a replay
+    hwm = 10000                           # batches one subscriber's queue holds (ZMQ SNDHWM)
 
 Every tenant gets its own publisher (its own sockets, sequence numbers and replay buffer), so
 no tenant's events reach another's subscribers. The endpoints above are the first tenant's
@@ -40,6 +41,7 @@ class KVEventsConfig:
     replay_endpoint: str = ""
     topic: str = ""
     buffer_batches: int = 10000
+    hwm: int = 10000
 
     def __post_init__(self) -> None:
         for key in ("endpoint", "replay_endpoint", "topic"):
@@ -53,10 +55,11 @@ class KVEventsConfig:
         if self.replay_endpoint and not self.endpoint:
             raise ConfigError("daemon.kv_events.replay_endpoint is set but endpoint is not: set "
                               "endpoint (the PUB socket) too, or neither")
-        value = self.buffer_batches
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 20:
-            raise ConfigError(f"daemon.kv_events.buffer_batches must be an integer in "
-                              f"1..{1 << 20}, got {value!r}")
+        for key in ("buffer_batches", "hwm"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1 << 20:
+                raise ConfigError(f"daemon.kv_events.{key} must be an integer in 1..{1 << 20}, "
+                                  f"got {value!r}")
 
     @property
     def enabled(self) -> bool:

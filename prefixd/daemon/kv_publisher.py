@@ -22,7 +22,7 @@ batch: a subscriber that saw an earlier start sees them jump forward, so it asks
 included.
 
 NOTE (a slow subscriber never slows the daemon): the PUB socket never blocks. Its
-``XPUB_NODROP`` makes a send that some subscriber's queue (``SNDHWM`` batches) cannot take fail
+``XPUB_NODROP`` makes a send that some subscriber's queue (``hwm`` batches) cannot take fail
 at once instead of vanishing: the batch is counted ``dropped`` and kept in the replay buffer
 like any other, so every subscriber sees the gap in the numbers and replays it. The replay
 buffer holds the last ``buffer_batches`` payloads; replays are served by one thread
@@ -45,7 +45,6 @@ from prefixd.daemon.kv_replay import ReplayServer
 
 log = logging.getLogger(__name__)
 
-SNDHWM = 10_000  # batches one subscriber's queue may hold before sends fail (and are dropped)
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
 SNAPSHOT_EVENTS = 512  # events per batch of the recovered index at a start
@@ -60,7 +59,7 @@ class TenantPublisher:
     and ``removed[tier]`` (blocks). Touched on the loop's thread only, ``buffer`` excepted.
     """
 
-    def __init__(self, ctx, ends, buffer_batches: int, first_seq: int) -> None:
+    def __init__(self, ctx, ends, buffer_batches: int, hwm: int, first_seq: int) -> None:
         self.tenant = ends.tenant
         self.endpoint = ends.endpoint
         self.replay_endpoint = ends.replay_endpoint
@@ -70,12 +69,13 @@ class TenantPublisher:
         self.pending: list = []
         self.next_seq = first_seq
         self.batches = self.dropped = 0
+        self.hwm = hwm
         self.stored = [0, 0, 0]
         self.removed = [0, 0, 0]
         self.pub = ctx.socket(zmq.PUB)
         self.replay = None
         try:
-            for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, SNDHWM), (zmq.XPUB_NODROP, 1),
+            for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, hwm), (zmq.XPUB_NODROP, 1),
                                (zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS),
                                (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)):
                 self.pub.setsockopt(opt, value)
@@ -102,7 +102,7 @@ class TenantPublisher:
             self.dropped += 1
             if self.dropped & (self.dropped - 1) == 0:  # 1, 2, 4, ...: a slow subscriber
                 log.warning("kv events batch dropped (a subscriber's queue of %d batches is "
-                            "full; it replays the gap) tenant=%s seq=%d dropped=%d", SNDHWM,
+                            "full; it replays the gap) tenant=%s seq=%d dropped=%d", self.hwm,
                             self.tenant, seq, self.dropped)
         return seq
 
@@ -142,8 +142,8 @@ class KVPublishers:
         self.by_tenant: dict[str, TenantPublisher] = {}
         try:
             for ends in config.tenants(tenants):
-                self.by_tenant[ends.tenant] = TenantPublisher(self.ctx, ends,
-                                                              config.buffer_batches, first_seq)
+                self.by_tenant[ends.tenant] = TenantPublisher(
+                    self.ctx, ends, config.buffer_batches, config.hwm, first_seq)
         except BaseException:
             self.close()
             raise
