@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
 SNAPSHOT_EVENTS = 512  # events per batch of the recovered index at a start
+_MORE = zmq.NOBLOCK | zmq.SNDMORE
 
 
 class TenantPublisher:
@@ -96,8 +97,11 @@ class TenantPublisher:
         payload = wire.encode_batch(events)
         self.buffer.append((seq, payload))
         self.batches += 1
-        try:
-            self.pub.send_multipart((self.topic, wire.seq_bytes(seq), payload), zmq.NOBLOCK)
+        try:  # NOTE: a frame a call, not send_multipart: its Python loop costs more than these
+            send = self.pub.send
+            send(self.topic, _MORE)  # the first frame fails (Again) or the message goes whole
+            send(wire.seq_bytes(seq), _MORE)
+            send(payload, zmq.NOBLOCK)
         except zmq.Again:
             self.dropped += 1
             if self.dropped & (self.dropped - 1) == 0:  # 1, 2, 4, ...: a slow subscriber

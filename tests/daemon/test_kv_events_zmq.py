@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 import prefixd.client as pc
-from tests.daemon.harness import start_daemon
+from tests.daemon.harness import DaemonProcess, start_daemon
 from tests.daemon.kv_sub import END_SEQ, KVSub, decode
 from tests.requires import missing
 
@@ -255,3 +255,20 @@ def test_a_subscriber_that_never_reads_is_counted_not_waited_for(daemon, session
     commit(alpha, prompt())
     quiesce(subs["alpha"], alpha)
     assert subs["alpha"].lost == 0
+
+
+def test_an_endpoint_another_process_holds_stops_the_start_with_one_line():
+    holder = zmq.Context.instance().socket(zmq.PUB)
+    holder.setsockopt(zmq.LINGER, 0)
+    port = holder.bind_to_random_port("tcp://127.0.0.1")
+    daemon = DaemonProcess(f'[daemon.kv_events]\nendpoint = "tcp://127.0.0.1:{port}"\n')
+    daemon.expect_exit(1)  # the refusal is the behaviour under test
+    daemon.expect_log(r"not starting:")
+    try:
+        daemon.start(wait=False)
+        assert daemon.proc.wait(120) == 1
+        log = daemon.log()
+        assert f"cannot bind tcp://127.0.0.1:{port}" in log and "Traceback" not in log, log
+    finally:
+        daemon.close()
+        holder.close(0)
