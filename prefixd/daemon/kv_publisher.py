@@ -32,6 +32,7 @@ ZMTP heartbeats (``HEARTBEAT_TIMEOUT_MS``), so its full queue does not drop batc
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import time
@@ -172,9 +173,13 @@ class KVPublishers:
 
     # -- the start ---------------------------------------------------------------------------------
 
-    def start(self, engine, loop) -> None:
-        """Publish ``AllBlocksCleared`` and the recovered index of every pool, then go live."""
-        self._loop = loop
+    async def start(self, engine) -> None:
+        """Publish ``AllBlocksCleared`` and the recovered index of every pool, then go live.
+
+        NOTE: before the daemon serves, so nothing changes the trees meanwhile; it yields to
+        the loop after each batch, so that Status, health and the watchdog still answer while
+        a large index goes out."""
+        self._loop = asyncio.get_running_loop()
         self._engine = engine
         for pub in self.by_tenant.values():
             pub.send([wire.cleared()])
@@ -183,12 +188,12 @@ class KVPublishers:
             pub = self.by_tenant.get(tenant)
             if pub is None:
                 continue
-            counts[tenant] += self._index(pub, dc.cache.tree, layout.block_size)
+            counts[tenant] += await self._index(pub, dc.cache.tree, layout.block_size)
         self.replays.start()
         log.info("kv events: published the recovered index blocks=%s",
                  ",".join(f"{t}:{n}" for t, n in sorted(counts.items())))
 
-    def _index(self, pub: TenantPublisher, tree, block_size: int) -> int:
+    async def _index(self, pub: TenantPublisher, tree, block_size: int) -> int:
         """Every resident run of ``tree``, parents first, as batches of ``BlockStored``."""
         ext, events, blocks = pub.hashes, [], 0
         for node in tree.nodes():
@@ -204,6 +209,7 @@ class KVPublishers:
             if len(events) >= SNAPSHOT_EVENTS:
                 pub.send(events)
                 events = []
+                await asyncio.sleep(0)
         if events:
             pub.send(events)
         return blocks

@@ -127,7 +127,7 @@ class Daemon:
             if lock is not None:
                 lock.release()
             raise
-        self._listen(loop)  # KV events for routers
+        await self._listen()  # KV events for routers
         for _, dc in self.core.engine.pool_items():  # checkpoints beside the loop (offloop.py)
             self.core.offloop.watch(dc)
         freeze_startup_heap()  # imports and the recovered index: no full collection walks them again
@@ -149,7 +149,7 @@ class Daemon:
             os._exit(status)
         return status
 
-    def _listen(self, loop) -> None:
+    async def _listen(self) -> None:
         """Feed the engine's events to the journals (SubscribeEvents) and, when configured,
         the ZMQ publishers: first ``AllBlocksCleared`` and the recovered index there."""
         core = self.core
@@ -157,7 +157,7 @@ class Daemon:
         if pubs is None:
             core.engine.set_event_listener(journals.observe)
             return
-        pubs.start(core.engine, loop)
+        await pubs.start(core.engine)
 
         def listener(tenant, layout, events):
             journals.observe(tenant, layout, events)
