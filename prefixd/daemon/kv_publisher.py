@@ -8,9 +8,10 @@ only notes them (the tenant's ``TenantPublisher.pending``) and, once per loop tu
 - ``BlocksStored`` (a commit): ``BlockStored`` on ``"GPU"`` with the run's parent hash (nil
   under a namespace root), token ids and block size;
 - ``BlocksMoved`` (a copy landed in a tier: write-through, demotion, promotion):
-  ``BlockStored`` on that tier's medium with the hashes only (no parent, no token ids), as
-  vLLM's offloading connector's placeholder stores: the blocks were stored, with their tokens,
-  by the commit that made them (or by the index at a start) and are still resident somewhere;
+  ``BlockStored`` on that tier's medium, with the parent and token ids of the run the blocks
+  entered the index with (``prefixd.daemon.kv_lineage``; so a router may keep a tree per
+  medium); should that run be unknown, the hashes alone, as vLLM's offloading connector's
+  placeholder stores;
 - ``BlocksDropped`` (eviction, the tier's copy given up after a demotion, a corrupt disk run
   cut off): ``BlockRemoved`` on that medium.
 
@@ -42,6 +43,7 @@ import zmq
 from prefixd.cache.events import BlocksDropped, BlocksMoved, BlocksStored
 from prefixd.cache.node import DEVICE
 from prefixd.daemon import kv_wire as wire
+from prefixd.daemon.kv_lineage import Lineage
 from prefixd.daemon.kv_replay import ReplayServer
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,7 @@ class TenantPublisher:
         self.hashes = wire.ExternalHashes(ends.tenant)
         self.buffer: collections.deque = collections.deque(maxlen=buffer_batches)
         self.pending: list = []
+        self.lineage = Lineage()  # a tier copy's parent and token ids (``kv_lineage``)
         self.next_seq = first_seq
         self.batches = self.dropped = 0
         self.hwm = hwm
@@ -116,18 +119,25 @@ class TenantPublisher:
         out = []
         ext = self.hashes
         stored, removed = self.stored, self.removed
-        for kind, tier, hashes, parent, tokens, bs, roots in self.pending:
+        lineage = self.lineage
+        for kind, tier, hashes, parent, tokens, bs, roots, forgotten in self.pending:
             medium = wire.MEDIUMS[tier]
+            ext_hashes = ext.many(hashes)
             if kind is BlocksDropped:
                 removed[tier] += len(hashes)
-                out.append(wire.removed(ext.many(hashes), medium))
+                out.append(wire.removed(ext_hashes, medium))
+                if forgotten:
+                    lineage.forget(ext_hashes)
                 continue
             stored[tier] += len(hashes)
             if kind is BlocksStored:
-                out.append(wire.stored(ext.many(hashes), None if parent in roots else
-                                       ext.one(parent), wire.token_list(tokens), bs, medium))
-            else:
-                out.append(wire.stored(ext.many(hashes), None, [], bs, medium))
+                parent = None if parent in roots else ext.one(parent)
+                lineage.add(ext_hashes, parent, tokens)
+                out.append(wire.stored(ext_hashes, parent, wire.token_list(tokens), bs, medium))
+                continue
+            known = lineage.of(ext_hashes, bs)
+            parent, ids = known if known is not None else (None, [])
+            out.append(wire.stored(ext_hashes, parent, ids, bs, medium))
         self.pending = []
         return out
 
@@ -199,6 +209,7 @@ class KVPublishers:
         for node in tree.nodes():
             parent = None if node.parent.is_root() else ext.one(node.parent.last_hash)
             hashes = ext.many(node.hashes)
+            pub.lineage.add(hashes, parent, node.tokens)
             tokens = wire.token_list(node.tokens)
             for tier, slots in enumerate(node.slots):
                 if slots is None:
@@ -229,9 +240,11 @@ class KVPublishers:
             for e in events:
                 t = type(e)
                 if t is BlocksStored:
-                    add((t, DEVICE, e.hashes, e.parent_hash, e.tokens, bs, roots))
-                elif t is BlocksMoved or t is BlocksDropped:
-                    add((t, e.tier, e.hashes, None, None, bs, roots))
+                    add((t, DEVICE, e.hashes, e.parent_hash, e.tokens, bs, roots, False))
+                elif t is BlocksMoved:
+                    add((t, e.tier, e.hashes, None, None, bs, roots, False))
+                elif t is BlocksDropped:
+                    add((t, e.tier, e.hashes, None, None, bs, roots, e.forgotten))
             if not self._scheduled and pub.pending:
                 self._scheduled = True
                 self._loop.call_soon(self.flush)
