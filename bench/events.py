@@ -3,7 +3,8 @@
 Two ``prefixd serve`` processes on fresh state (pools in ``/dev/shm``), the same but for
 ``[daemon.kv_events]``: one publishes (PUB + replay ROUTER on ``ipc://``, a subscriber reading
 every batch on a thread of this process), one does not. Phases alternate between them
-(``--phases`` of each, on fresh prompts) so that the host's noise lands on both. A phase is 8
+(``--phases`` of each, on fresh prompts, the order swapped every round) so that the host's
+noise lands on both. A phase is 8
 client processes (``prefixd.client``) doing gsp requests together: ``open`` of the prompt (a
 shared 512-token system prompt + a unique 64-token question), then ``release`` with commit at
 durability ``crash``. Layout ``bench-events``: 1 layer x 1 KV head x head dim 8, fp16, block 16
@@ -12,6 +13,10 @@ evicted and demoted (so every event kind flows). Prints one JSON object:
 
 - ``off.per_request_us`` / ``publish.per_request_us``: each side's measured seconds over its
   requests (all 8 clients together), in microseconds; ``ratio`` = publish / off;
+- ``*.daemon_cpu_us_per_request``: the daemon process's CPU (every thread) per request of a
+  phase, warm-up included; ``publish.loop_us_per_request``: the loop's time in the publisher
+  (``prefixd_kv_events_loop_seconds``) per request; ``loop_share``: that over the daemon's
+  CPU per request without publishing (the cost on the hot path, free of the host's noise);
 - ``events_per_s``, ``batches_per_s``: what the subscriber received per second of the
   publishing phases; ``dropped_batches``: what the daemon counted dropped (0 expected);
 - ``lag_p50_ms`` / ``lag_p99_ms``: from a commit's acknowledgment (``release`` returned in
@@ -70,8 +75,10 @@ replay_endpoint = "ipc://{base}/kvr"
 
 
 class Subscriber:
-    """Reads every batch of ``endpoint`` on a thread: counts events and batches and keeps the
-    receipt time of each ``BlockStored`` on the GPU by its last block's token ids."""
+    """Reads every batch of ``endpoint`` on a thread, keeping ``(receipt time, seq, payload)``;
+    ``drain`` decodes what came (between phases: the router's work stays off the measured
+    seconds, which share two cores with it), keeping the receipt time of each ``BlockStored``
+    on the GPU by its last block's token ids."""
 
     def __init__(self, endpoint: str) -> None:
         self.ctx = zmq.Context()
@@ -79,6 +86,7 @@ class Subscriber:
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.connect(endpoint)
+        self.raw: list = []
         self.events = self.batches = 0
         self.seen: dict[bytes, float] = {}
         self.last_seq = None
@@ -88,12 +96,15 @@ class Subscriber:
         self._thread.start()
 
     def _run(self) -> None:
-        sock, clock = self.sock, time.time
+        sock, clock, keep = self.sock, time.time, self.raw.append
         while not self._stop.is_set():
-            if not sock.poll(50):
-                continue
-            _, seq_b, payload = sock.recv_multipart()
-            now = clock()
+            if sock.poll(50):
+                _, seq_b, payload = sock.recv_multipart()
+                keep((clock(), seq_b, payload))
+
+    def drain(self) -> None:
+        raw, self.raw[:] = list(self.raw), []
+        for now, seq_b, payload in raw:
             seq = int.from_bytes(seq_b, "big")
             if self.last_seq is not None and seq != self.last_seq + 1:
                 self.gaps += 1
@@ -111,6 +122,13 @@ class Subscriber:
         self._thread.join(10)
         self.sock.close(0)
         self.ctx.term()
+
+
+def cpu_s(pid: int) -> float:
+    """The process's CPU seconds so far (user + system, every thread)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def worker(socket_path: str, prompts: list[bytes], warmup: int, barrier, results) -> None:
@@ -154,7 +172,7 @@ def phase(ctx, socket_path: str, rng, requests: int, warmup: int, system: np.nda
     if errors:
         raise RuntimeError(f"a client failed: {errors}")
     t0, t1 = min(g[1] for g in got), max(g[2] for g in got)
-    return {"seconds": t1 - t0, "requests": CLIENTS * requests,
+    return {"seconds": t1 - t0, "requests": CLIENTS * requests, "warmup_share": warmup / requests,
             "acks": [a for g in got for a in g[3]]}
 
 
@@ -188,12 +206,17 @@ def main(argv=None) -> dict:
         time.sleep(0.5)  # the subscription reaches the publisher
         runs = {"off": [], "publish": []}
         lags = []
-        for _ in range(args.phases):
-            for side in ("off", "publish"):
-                r = phase(ctx, daemons[side].socket, rng, args.requests, args.warmup, system)
+        for i in range(args.phases):
+            for side in (("off", "publish") if i % 2 == 0 else ("publish", "off")):
+                d = daemons[side]
+                cpu0, loop0 = cpu_s(d.pid()), _loop_s(d) if side == "publish" else 0.0
+                r = phase(ctx, d.socket, rng, args.requests, args.warmup, system)
+                r["daemon_cpu_s"] = cpu_s(d.pid()) - cpu0
                 runs[side].append(r)
                 if side == "publish":
+                    r["loop_s"] = _loop_s(d) - loop0
                     time.sleep(0.2)  # the last batches arrive
+                    sub.drain()
                     for key, t_ack in r.pop("acks"):
                         t_recv = sub.seen.get(key)
                         if t_recv is not None:
@@ -217,18 +240,25 @@ def summary(runs: dict, lags: list[float], sub: Subscriber, pub_daemon) -> dict:
     def side(rs):
         seconds = sum(r["seconds"] for r in rs)
         requests = sum(r["requests"] for r in rs)
+        warm = sum(r["requests"] * (1 + r.get("warmup_share", 0)) for r in rs)
         return {"per_request_us": round(seconds / requests * 1e6, 1),
                 "rps": round(requests / seconds, 1), "requests": requests,
+                "daemon_cpu_us_per_request": round(sum(r["daemon_cpu_s"] for r in rs) / warm
+                                                   * 1e6, 1),
                 "per_request_us_by_phase": [round(r["seconds"] / r["requests"] * 1e6, 1)
                                             for r in rs]}
 
     off, pub = side(runs["off"]), side(runs["publish"])
+    pub_requests = sum(r["requests"] * (1 + r.get("warmup_share", 0)) for r in runs["publish"])
+    pub["loop_us_per_request"] = round(sum(r["loop_s"] for r in runs["publish"]) / pub_requests
+                                       * 1e6, 1)
     pub_seconds = sum(r["seconds"] for r in runs["publish"])
     early = sum(x < 0 for x in lags) / len(lags) if lags else None
     lags = sorted(max(0.0, x) for x in lags)
     stats = _stats(pub_daemon)
     return {
         "off": off, "publish": pub, "ratio": round(pub["per_request_us"] / off["per_request_us"], 3),
+        "loop_share": round(pub["loop_us_per_request"] / off["daemon_cpu_us_per_request"], 4),
         "events_per_s": round(sub.events / pub_seconds, 1),
         "batches_per_s": round(sub.batches / pub_seconds, 1),
         "lag_p50_ms": round(lags[len(lags) // 2] * 1e3, 2) if lags else None,
@@ -241,6 +271,10 @@ def summary(runs: dict, lags: list[float], sub: Subscriber, pub_daemon) -> dict:
         "host": {"cpus": os.cpu_count(), "load_1m": round(os.getloadavg()[0], 2),
                  "python": platform.python_version()},
     }
+
+
+def _loop_s(d) -> float:
+    return _stats(d).get("prefixd_kv_events_loop_seconds_total", 0.0)
 
 
 def _stats(d) -> dict:

@@ -186,10 +186,14 @@ def _kv_events(add, core) -> None:
     pubs = getattr(core, "kv_publishers", None)
     if pubs is None:
         return
+    add("prefixd_kv_events_loop_seconds", "counter", "the event loop's time spent noting and "
+        "publishing KV events on ZMQ (their cost to every request)", {}, pubs.busy_ns / 1e9)
     for tenant, p in pubs.items():
         labels = {"tenant": tenant}
         add("prefixd_kv_events_batches", "counter", "KVEventBatch messages published on ZMQ",
             labels, p.batches)
+        add("prefixd_kv_events_pending", "gauge", "cache events noted for the next batch (sent "
+            "within 5 ms)", labels, len(p.pending))
         add("prefixd_kv_events_dropped_batches", "counter", "batches a subscriber's full queue "
             "could not take (sent to none; kept for replay)", labels, p.dropped)
         add("prefixd_kv_events_replayed_batches", "counter", "batches sent again on replay "

@@ -247,10 +247,16 @@ def revisit(session, acks: list[dict], n: int) -> None:
 def check(session, sub: KVSub, views, acks, seed: int) -> dict:
     """Quiesce, then compare ``find_matches`` with ``Lookup`` for ``PROMPTS`` prompts."""
     view, control, media = views
-    try:
-        stats = session.stats()
-    except pc.DaemonRestarted:  # the library attached again to the restarted daemon
-        stats = session.stats()
+    deadline = time.monotonic() + 60
+    while True:  # nothing pending: every batch sent
+        try:
+            stats = session.stats()
+        except pc.DaemonRestarted:  # the library attached again to the restarted daemon
+            continue
+        if not stats["prefixd_kv_events_pending"]:
+            break
+        assert time.monotonic() < deadline, "events still pending after 60 s"
+        time.sleep(0.005)
     n = int(stats["prefixd_kv_events_batches_total"])
     sub.wait(lambda s: view.run_batches >= n, f"{n} batches of this daemon run", timeout=120)
     assert view.run_batches == n and sub.lost == 0, (view.run_batches, n, sub.lost)

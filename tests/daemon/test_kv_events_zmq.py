@@ -122,8 +122,12 @@ def commit(session, tokens) -> None:
 
 
 def quiesce(sub: KVSub, session) -> dict:
-    """Wait until ``sub`` holds every batch the daemon published (its Stats); returns them."""
-    stats = session.stats()
+    """Wait until the daemon sent every batch (nothing pending) and ``sub`` holds them all (its
+    Stats); returns the Stats."""
+    deadline = time.monotonic() + 60
+    while (stats := session.stats())["prefixd_kv_events_pending"]:
+        assert time.monotonic() < deadline, "events still pending after 60 s"
+        time.sleep(0.005)
     n = int(stats["prefixd_kv_events_batches_total"])
     sub.wait(lambda s: len(s.batches) >= n, f"{n} batches")
     return stats
