@@ -52,10 +52,10 @@ log = logging.getLogger(__name__)
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
 SNAPSHOT_EVENTS = 512  # events per batch of the recovered index at a start
-# NOTE: a batch goes out at most this long after its first event, with every event of the loop
-# turns in between: each send wakes ZMQ's I/O thread, 27 us of the loop's CPU a batch on the
-# 2-core host when it sleeps (6 us back to back), so under load the requests of a few
-# milliseconds share one; a router sees a commit within ~FLUSH_S (the lag target is 50 ms)
+# NOTE: a batch goes out at most this long after its first event, with every event of the
+# loop turns in between: each send wakes ZMQ's I/O thread when it sleeps, ~27 us of the loop's
+# CPU a batch on a small virtual machine (6 us back to back), so under load the requests of a
+# few milliseconds share one; a router sees a commit within ~FLUSH_S (the lag target: 50 ms)
 FLUSH_S = 0.005
 _MORE = zmq.NOBLOCK | zmq.SNDMORE
 _clock = time.thread_time_ns  # CPU time: what the loop spends, not what the host steals
