@@ -257,7 +257,8 @@ def summary(runs: dict, lags: list[float], sub: Subscriber, pub_daemon) -> dict:
     lags = sorted(max(0.0, x) for x in lags)
     stats = _stats(pub_daemon)
     return {
-        "off": off, "publish": pub, "ratio": round(pub["per_request_us"] / off["per_request_us"], 3),
+        "off": off, "publish": pub,
+        "ratio": round(pub["per_request_us"] / off["per_request_us"], 3),
         "loop_share": round(pub["loop_us_per_request"] / off["daemon_cpu_us_per_request"], 4),
         "events_per_s": round(sub.events / pub_seconds, 1),
         "batches_per_s": round(sub.batches / pub_seconds, 1),

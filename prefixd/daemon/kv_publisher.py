@@ -65,9 +65,10 @@ class TenantPublisher:
     """One tenant's PUB socket, numbers, replay buffer and the events of the coming batch.
 
     Fields: ``pending`` (notes ``(kind, tier, hashes, parent_hash, tokens, block_size,
-    roots, forgotten)``, the coming batch's), ``buffer`` (``(seq, payload)`` of the last ``buffer_batches``
-    batches, read by the replay thread), counters ``batches``, ``dropped``, ``stored[tier]``
-    and ``removed[tier]`` (blocks). Touched on the loop's thread only, ``buffer`` excepted.
+    roots, forgotten)``, the coming batch's), ``buffer`` (``(seq, payload)`` of the last
+    ``buffer_batches`` batches, read by the replay thread), ``lineage`` (``kv_lineage``),
+    counters ``batches``, ``dropped``, ``stored[tier]`` and ``removed[tier]`` (blocks).
+    Touched on the loop's thread only, ``buffer`` excepted.
     """
 
     def __init__(self, ctx, ends, buffer_batches: int, hwm: int, first_seq: int) -> None:
@@ -189,7 +190,7 @@ class KVPublishers:
     def items(self):
         return sorted(self.by_tenant.items())
 
-    # -- the start ---------------------------------------------------------------------------------
+    # -- the start -------------------------------------------------------------------------
 
     async def start(self, engine) -> None:
         """Publish ``AllBlocksCleared`` and the recovered index of every pool, then go live.
@@ -233,7 +234,7 @@ class KVPublishers:
             pub.send(events)
         return blocks
 
-    # -- live ----------------------------------------------------------------------------------------
+    # -- live ------------------------------------------------------------------------------
 
     def observe(self, tenant: str, layout, events) -> None:
         """Note one logged batch of cache events of ``tenant``'s pool of ``layout``; a flush is
