@@ -173,7 +173,7 @@ class KVPublishers:
         self.replays = ReplayServer([p for p in self.by_tenant.values() if p.replay is not None])
         self._loop = None
         self._engine = None
-        self._scheduled = False
+        self._timer = None  # the flush to come, while one is scheduled
         self.busy_ns = 0  # the loop's time in ``observe`` and ``flush`` (a metric: their cost)
         self._roots: dict[int, tuple[int, frozenset]] = {}  # id(tree) -> (len(roots), hashes)
         log.info("kv events publishing endpoints=%s",
@@ -257,9 +257,8 @@ class KVPublishers:
                     add((t, e.tier, e.hashes, None, None, bs, roots, False))
                 elif t is BlocksDropped:
                     add((t, e.tier, e.hashes, None, None, bs, roots, e.forgotten))
-            if not self._scheduled and pub.pending:
-                self._scheduled = True
-                self._loop.call_later(FLUSH_S, self.flush)
+            if self._timer is None and pub.pending:
+                self._timer = self._loop.call_later(FLUSH_S, self.flush)
         except Exception:  # noqa: BLE001 - a router's view must never fail a cache call
             log.exception("kv events of a batch lost tenant=%s model=%s", tenant,
                           layout.model_id)
@@ -275,7 +274,7 @@ class KVPublishers:
 
     def flush(self) -> None:
         """One ``KVEventBatch`` per tenant with events since the last flush."""
-        self._scheduled = False
+        self._timer = None
         t0 = _clock()
         for pub in self.by_tenant.values():
             if not pub.pending:
@@ -291,8 +290,10 @@ class KVPublishers:
         """Stop the replay thread and close every socket (a last flush first)."""
         if getattr(self, "replays", None) is not None:
             self.replays.stop()
-            if self._scheduled:
+            if self._timer is not None:
+                self._timer.cancel()
                 self.flush()
+            self._loop = None  # a late note is ignored
         for pub in self.by_tenant.values():
             pub.close()
         self.ctx.term()
