@@ -193,7 +193,7 @@ def _kv_events(add, core) -> None:
         add("prefixd_kv_events_batches", "counter", "KVEventBatch messages published on ZMQ",
             labels, p.batches)
         add("prefixd_kv_events_pending", "gauge", "cache events noted for the next batch (sent "
-            "within 5 ms)", labels, len(p.pending))
+            "within 10 ms)", labels, len(p.pending))
         add("prefixd_kv_events_dropped_batches", "counter", "batches a subscriber's full queue "
             "could not take (sent to none; kept for replay)", labels, p.dropped)
         add("prefixd_kv_events_replayed_batches", "counter", "batches sent again on replay "
