@@ -121,13 +121,18 @@ def commit(session, tokens) -> None:
     session.release(seq, commit=True)
 
 
-def quiesce(sub: KVSub, session) -> dict:
-    """Wait until the daemon sent every batch (nothing pending) and ``sub`` holds them all (its
-    Stats); returns the Stats."""
+def quiesce_daemon(session) -> dict:
+    """Wait until the daemon sent every batch (nothing pending); returns its Stats."""
     deadline = time.monotonic() + 60
     while (stats := session.stats())["prefixd_kv_events_pending"]:
         assert time.monotonic() < deadline, "events still pending after 60 s"
         time.sleep(0.005)
+    return stats
+
+
+def quiesce(sub: KVSub, session) -> dict:
+    """Wait until the daemon sent every batch and ``sub`` holds them all; returns the Stats."""
+    stats = quiesce_daemon(session)
     n = int(stats["prefixd_kv_events_batches_total"])
     sub.wait(lambda s: len(s.batches) >= n, f"{n} batches")
     return stats
@@ -171,10 +176,11 @@ def test_vllm_decoder_reads_every_batch_and_counts_match_stats(sessions, subs, t
 def test_a_dropped_window_comes_back_by_replay(sessions, subs):
     alpha, sub = sessions["alpha"], subs["alpha"]
     quiesce(sub, alpha)
-    before = sub.replays
+    before, received = sub.replays, sub.received
     sub.skip_live(5)
-    for _ in range(8):
+    while sub.received < received + 8:  # each commit its own batch: 5 dropped, then 3 more
         commit(alpha, prompt())
+        quiesce_daemon(alpha)
     quiesce(sub, alpha)
     with sub.lock:
         seqs = [s for s, _ in sub.batches]
