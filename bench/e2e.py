@@ -47,12 +47,7 @@ QUICK = dict(systems=2, questions=3, system_tokens=200, new_tokens=8, restart_at
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print only the JSON object")
-    parser.add_argument("--quick", action="store_true", help="a small smoke run (%s)" % QUICK)
-    parser.add_argument("--systems", type=int)
-    parser.add_argument("--questions", type=int)
-    parser.add_argument("--system-tokens", type=int)
-    parser.add_argument("--new-tokens", type=int)
+    chat_requests.add_request_args(parser, QUICK)
     parser.add_argument("--restart-at", type=int, help="questions per system served before the kill -9")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--plot", help="the PNG's path")
@@ -60,10 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's; 1 on a loaded host)")
     args = parser.parse_args(argv)
     threads = e2e_run.set_threads(args.threads)
-    params = dict(QUICK if args.quick else FULL)
-    for key in params:
-        if getattr(args, key) is not None:
-            params[key] = getattr(args, key)
+    params = chat_requests.request_params(args, FULL, QUICK)
     if not 0 < params["restart_at"] < params["questions"]:
         parser.error("--restart-at must leave questions on both sides of the restart")
     plot_path = args.plot or str(BENCH / "out" / "e2e_ttft_quick.png" if args.quick

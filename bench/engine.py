@@ -23,7 +23,6 @@ run starts from an empty state directory.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import pathlib
@@ -42,6 +41,7 @@ from prefixd.api.layout import KVLayout  # noqa: E402
 from prefixd.api.tiers import Tier  # noqa: E402
 from prefixd.cache import PrefixCache  # noqa: E402
 from prefixd.engine.durable import DurableCache  # noqa: E402
+from prefixd.tools.driver import gc_paused  # noqa: E402
 from prefixd.tools.workloads import gsp, working_set_tokens  # noqa: E402
 
 BS = 16
@@ -71,9 +71,7 @@ def run_core(reqs, sizes) -> dict:
     cache = PrefixCache(sizes, BS, write_policy="write_through")
     clock = time.perf_counter_ns
     totals = []
-    gc.collect()
-    gc.disable()
-    try:
+    with gc_paused():
         for req in reqs:
             t0 = clock()
             seq = cache.open(req.prompt)
@@ -83,8 +81,6 @@ def run_core(reqs, sizes) -> dict:
             t1 = clock()
             cache.drain_events()
             totals.append(t1 - t0)
-    finally:
-        gc.enable()
     return {"per_request_us": _median_us(totals), "p99_us": _p99_us(totals),
             "hit_rate": round(cache.stats.hit_rate, 4)}
 
@@ -126,10 +122,8 @@ def run_serial(reqs, sizes, sync: str, wait: bool, profile: bool = False) -> dic
 
         prof = cProfile.Profile()
     syncs0 = dc.wal.stats().syncs
-    gc.collect()
-    gc.disable()
-    start = time.perf_counter()
-    try:
+    with gc_paused():
+        start = time.perf_counter()
         if prof is not None:
             prof.enable()
         for req in reqs:
@@ -155,8 +149,6 @@ def run_serial(reqs, sizes, sync: str, wait: bool, profile: bool = False) -> dic
         wall = time.perf_counter() - start
         if prof is not None:
             prof.disable()
-    finally:
-        gc.enable()
     stats = dc.wal.stats()
     out = {"per_request_us": _median_us(totals), "p99_us": _p99_us(totals),
            "ops_median_us": {k: _median_us(v) for k, v in by_op.items()},
@@ -195,10 +187,8 @@ def run_concurrent(reqs, sizes, lanes: int = LANES) -> dict:
         ticket.add_done_callback(lambda _f, sid=seq.id, t=t0: resolved.put((sid, t)))
         return True
 
-    gc.collect()
-    gc.disable()
-    start = time.perf_counter()
-    try:
+    with gc_paused():
+        start = time.perf_counter()
         for _ in range(lanes):
             start_next()
         while live:
@@ -208,8 +198,6 @@ def run_concurrent(reqs, sizes, lanes: int = LANES) -> dict:
             dc.release(sid)
             start_next()
         wall = time.perf_counter() - start
-    finally:
-        gc.enable()
     stats = dc.wal.stats()
     fsyncs = stats.syncs - syncs0
     out = {"per_s": round(len(reqs) / wall, 1), "wal_fsyncs": fsyncs,

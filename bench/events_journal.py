@@ -19,7 +19,6 @@ blocks (as ``bench/engine.py``) so that the bookkeeping shows, not memcpy.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import pathlib
@@ -34,6 +33,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from prefixd.api.layout import KVLayout  # noqa: E402
 from prefixd.daemon.event_journal import EventJournals  # noqa: E402
 from prefixd.engine.durable import DurableCache  # noqa: E402
+from prefixd.tools.driver import gc_paused  # noqa: E402
 from prefixd.tools.workloads import gsp, working_set_tokens  # noqa: E402
 
 BS = 16
@@ -64,21 +64,19 @@ def run(reqs, sizes, listen: bool, num_subscribers: int) -> dict:
         dc.event_listener = listener
     clock = time.perf_counter_ns
     totals = []
-    gc.collect()
-    gc.disable()
     try:
-        for req in reqs:
-            t0 = clock()
-            seq = dc.open(req.prompt)
-            dc.extend(seq.id, req.output[:-4])
-            dc.commit(seq.id, "index")
-            dc.release(seq.id)
-            for sub in subs:
-                while journal.next_entry(sub) is not None:
-                    pass
-            totals.append(clock() - t0)
+        with gc_paused():
+            for req in reqs:
+                t0 = clock()
+                seq = dc.open(req.prompt)
+                dc.extend(seq.id, req.output[:-4])
+                dc.commit(seq.id, "index")
+                dc.release(seq.id)
+                for sub in subs:
+                    while journal.next_entry(sub) is not None:
+                        pass
+                totals.append(clock() - t0)
     finally:
-        gc.enable()
         dc.close()
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)

@@ -66,20 +66,12 @@ BLOCK_BYTES = 128 * 30 * 2 * 3 * 64 * 4
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print only the JSON object")
-    parser.add_argument("--quick", action="store_true", help="a small smoke run (%s)" % QUICK)
-    parser.add_argument("--systems", type=int)
-    parser.add_argument("--questions", type=int)
-    parser.add_argument("--system-tokens", type=int)
-    parser.add_argument("--new-tokens", type=int)
+    chat_requests.add_request_args(parser, QUICK)
     parser.add_argument("--rounds", type=int, default=2, help="passes of the external/example turns")
     parser.add_argument("--out", help="also write the JSON here")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, daemon state)")
     args = parser.parse_args(argv)
-    params = dict(QUICK if args.quick else FULL)
-    for key in params:
-        if getattr(args, key) is not None:
-            params[key] = getattr(args, key)
+    params = chat_requests.request_params(args, FULL, QUICK)
 
     t0 = time.perf_counter()
     load_avg_start = os.getloadavg()

@@ -23,24 +23,12 @@ from prefixd.wal.codec import decode, unpack_key
 from prefixd.wal.env import MAX_DBS
 from prefixd.wal.kinds import Kind
 
-CONFIG = """
-[engine]
-sync = "{sync}"
-shm_dir = "{shm}"
-reclaim_grace_s = 30.0
-
-[engine.blocks]
-device = {device}
-host = {host}
-disk = {disk}
-
+# the KV / Attend layout's own pool, after the tool's ``CONFIG``'s ``[engine.blocks]``
+TINY_POOL = """
 [engine.blocks.models."{tiny}"]
 device = {tiny_device}
 host = 256
 disk = 0
-
-[daemon]
-lease_s = 30.0
 """
 
 
@@ -84,10 +72,10 @@ class BenchDaemon(DaemonProc):
         # the daemon ends its process itself (server.py's NOTE at _shutdown): the profile is
         # written by an exit handler, which it runs
         prof = ["-c", _PROFILED.format(profile=profile)] if profile else []
-        super().__init__(tempfile.mkdtemp(prefix="pdb-", dir="/tmp"), config=CONFIG,
+        super().__init__(tempfile.mkdtemp(prefix="pdb-", dir="/tmp"), lease_s=30.0,
                          device=device, host=host, disk=disk, shm_dir=self.shm, env=env,
                          entry=prof + (entry or ["-m", "prefixd.daemon.cli"]),
-                         fields=dict(tiny=tiny[0], tiny_device=tiny[1], sync=sync),
+                         fields=dict(sync=sync, engine_tables=TINY_POOL.format(tiny=tiny[0], tiny_device=tiny[1])),
                          preexec_fn=preexec(cpus))
 
     def __enter__(self) -> "BenchDaemon":

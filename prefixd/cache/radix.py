@@ -35,6 +35,11 @@ class RadixTree:
     and ``locked`` holds exactly the non-root nodes with ``lock_ref > 0`` (what
     ``pinned_device_blocks`` walks up from; a run forgotten while locked, resident nowhere,
     stays in it until unlocked).
+
+    While a checkpoint pictures the tree in slices (``prefixd.engine.picture_walk``),
+    ``changed`` collects every node whose checkpointed fields change (``mark``): a touch, a
+    split (both parts), a residency placed or dropped (a node added or forgotten included; a
+    run's checksums change only with a placement).
     """
 
     def __init__(self, block_size: int, root_hash: bytes, policy, tiers=(DEVICE,)) -> None:
@@ -47,6 +52,7 @@ class RadixTree:
         self.num_blocks_in = [0] * NUM_TIERS
         self.clock = 0
         self.locked: set[Node] = set()  # every non-root node with ``lock_ref > 0``
+        self.changed: set[Node] | None = None  # while a checkpoint's picture is taken: ``mark``
 
     def root(self, extra: bytes) -> Node:
         root = self.roots.get(extra)
@@ -93,10 +99,12 @@ class RadixTree:
         path = []
         for node, k in pairs:
             if k < node.num_blocks:
-                node = split(node, k, self.block_bytes)
+                node = self.split(node, k)
             node.last_access = clock
             node.hit_count += 1
             path.append(node)
+        if self.changed is not None:
+            self.changed.update(path)
         return path
 
     # -- insertion -----------------------------------------------------------------------
@@ -127,7 +135,7 @@ class RadixTree:
                 break
             k = _common_blocks(child.tokens, tokens, pos, min(child.num_blocks, (n - pos) // bb), bb)
             if k < child.num_blocks:
-                child = split(child, k, bb)
+                child = self.split(child, k)
             first = pos // bb
             if child.slots[DEVICE] is None:
                 self.set_residency(child, DEVICE, slots[first:first + k])
@@ -136,6 +144,8 @@ class RadixTree:
                 tree_slots = slots[:first]
             tree_slots += child.slots[DEVICE]
             child.last_access = clock
+            if self.changed is not None:
+                self.changed.add(child)
             node = child
             pos += k * bb
         if pos == n:
@@ -158,6 +168,18 @@ class RadixTree:
             tree_slots = slots
         return new, tree_slots, new
 
+    def split(self, node: Node, k: int) -> Node:
+        """``node.split`` of ``node`` after ``k`` blocks (returns the head), both parts marked."""
+        head = split(node, k, self.block_bytes)
+        if self.changed is not None:
+            self.changed.update((head, node))
+        return head
+
+    def mark(self, node: Node) -> None:
+        """``node``'s checkpointed fields changed (see ``changed``)."""
+        if self.changed is not None:
+            self.changed.add(node)
+
     # -- residency and eviction ----------------------------------------------------------
 
     def evictable(self, node: Node, tier: int) -> bool:
@@ -178,6 +200,8 @@ class RadixTree:
         node.slots[tier] = slots
         self.num_blocks_in[tier] += node.num_blocks
         node.parent.kids_in[tier] += 1
+        if self.changed is not None:
+            self.changed.add(node)
 
     def unplace(self, node: Node, tier: int) -> tuple[list[int], bool]:
         """Forget ``node``'s copy in ``tier`` (not the queues); returns ``(its slots,
@@ -191,6 +215,8 @@ class RadixTree:
         s = node.slots
         slots = s[tier]
         s[tier] = None
+        if self.changed is not None:
+            self.changed.add(node)
         self.num_blocks_in[tier] -= node.num_blocks
         parent = node.parent
         parent.kids_in[tier] -= 1

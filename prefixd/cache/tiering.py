@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 
 from prefixd.cache.events import BlocksDropped, BlocksMoved, new_event
-from prefixd.cache.node import DEVICE, DISK, HOST, TIER_NAMES, Node, attached, path_to, split
+from prefixd.cache.node import DEVICE, DISK, HOST, TIER_NAMES, Node, attached, path_to
 from prefixd.crashpoints import crash_point
 
 log = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ class Tiering:
             pos += n.num_blocks
             sums = checksums[k] if checksums is not None else None
             if sums is not None and sums != n.checksums:
-                n.checksums = sums
+                n.checksums = sums  # marked for a picture by the placement below
             else:
                 sums = []  # already known: the move record need not repeat them
             self.tree.set_residency(n, tier, mine)
@@ -362,7 +362,7 @@ class Tiering:
     def cut_corrupt(self, node: Node, good: int) -> Node | None:
         """Block ``good`` of ``node`` failed its disk checksum: forget it and everything below it
         on disk. Returns the run of the ``good`` blocks before it (``None`` when ``good == 0``)."""
-        head = split(node, good, self.tree.block_bytes) if good else None  # node keeps the tail
+        head = self.tree.split(node, good) if good else None  # node keeps the tail
         self.cache.stats.corrupt_blocks += 1
         self._drop_disk_subtree(node)
         return head

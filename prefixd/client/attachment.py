@@ -12,40 +12,33 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 
 import grpc
 
 from prefixd.api import prefixd_pb2 as pb
-from prefixd.client.remote_kv import KVStub
 from prefixd.api.layout import KVLayout
 from prefixd.client.breaker import Breaker
-from prefixd.client.errors import (DaemonRestarted, DeadlineExceeded, InvalidArgument, MappingError, NotFound,
-                                   PrefixdError, Unavailable, from_rpc_error)
+from prefixd.client.connection import Connection
+from prefixd.client.errors import (DaemonRestarted, DeadlineExceeded, InvalidArgument, NotFound, PrefixdError,
+                                   Unavailable, from_rpc_error)
 from prefixd.client.handles import Sequence
 from prefixd.client.keepalive import KeepAlive
-from prefixd.client.mapped import MappedPool, map_pool
+from prefixd.client.mapped import MappedPool
 from prefixd.client.reconnect import Backoff, apply_reclaim, reclaim_sessions, unknown_reclaimed
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
-_CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", -1),
-    ("grpc.max_send_message_length", -1),
-    ("grpc.initial_reconnect_backoff_ms", 50),
-    ("grpc.min_reconnect_backoff_ms", 50),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 
 
 class Attachment:
     """One client's attachment: session id, lease, pool mappings, live sequences, recovery.
 
     A ``Session`` (session.py) holds one and adds the API calls; this class owns the
-    connection and its state.
+    session's state and holds the ``Connection`` (connection.py) it reaches the daemon by.
 
     Data structure:
+        ``_conn``: the channel, Attach and pool mapping; ``_stub`` is its stub.
         ``id``/``epoch``/``tenant``/``lease_s``/``max_message_bytes``: from the last Attach.
         ``_live``: id -> ``Sequence`` for every handle opened, forked or reclaimed and not yet
         released (what a recovery updates). ``pool``: the mapped device pool, or None (rpcs).
@@ -67,16 +60,13 @@ class Attachment:
         self.socket_path = str(socket_path)
         self.layout = layout
         self.name = name
-        self._mapped = mapped
         self._lease_renew = lease_renew
         self._reconnect = reconnect
-        self._backoff = backoff or Backoff()
         # -- fail fast (breaker.py): request-path calls get ``request_timeout_ms``, Attach,
         # Reclaim and the bulk KV rpcs keep ``timeout_s``; None: no breaker, one deadline
         self._bulk_timeout = timeout_s
         if max_model_len is not None and (not isinstance(max_model_len, int) or not 0 < max_model_len < 2**32):
             raise InvalidArgument(f"max_model_len must be a positive int (or None), got {max_model_len!r}")
-        self._max_model_len = max_model_len or 0
         self._breaker: Breaker | None = None
         if request_timeout_ms is not None:
             if not request_timeout_ms > 0:
@@ -95,14 +85,16 @@ class Attachment:
         self.pool: MappedPool | None = None
         self.id = 0
         self.recoveries = 0
-        self._channel = self._stub = None
-        self._open_channel()
+        self._conn = Connection(self.socket_path, layout, name, mapped=mapped, backoff=backoff or Backoff(),
+                                bulk_timeout=timeout_s, max_model_len=max_model_len or 0,
+                                stopped=lambda: self._closed)
+        self._stub = self._conn.stub
         try:
             # A socket that is there but refuses is a daemon starting or recovering: wait for it.
             # No socket at all is no daemon: fail at once.
-            self._adopt(self._attach_rpc(retry=reconnect and os.path.exists(self.socket_path)))
+            self._adopt(self._conn.attach(retry=reconnect and os.path.exists(self.socket_path)))
         except BaseException:
-            self._channel.close()
+            self._conn.close()
             raise
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -138,7 +130,7 @@ class Attachment:
                 seq.released = True
             self._live.clear()
             self.pool = None
-            self._channel.close()
+            self._conn.close()
             return released
 
     detach = close
@@ -156,33 +148,6 @@ class Attachment:
         ka = self._keepalive
         return ka is not None and ka.lost is None
 
-    def _open_channel(self) -> None:
-        # NOTE: once per session: a channel reconnects by itself after a daemon restart (the
-        # backoff in _CHANNEL_OPTIONS), and closing it under another thread's call made that
-        # call raise ValueError ("Cannot invoke RPC on closed channel") out of the library.
-        if self._channel is not None:
-            self._channel.close()
-        self._channel = grpc.insecure_channel("unix:" + self.socket_path, options=_CHANNEL_OPTIONS)
-        self._stub = KVStub(self._channel)  # the generated stub; WriteKV takes encoded chunks
-
-    def _attach_rpc(self, *, retry: bool) -> pb.AttachReply:
-        """Attach (with backoff while UNAVAILABLE when ``retry``); nothing of it is used yet."""
-        request = pb.AttachRequest(client_name=self.name, layout=pb.KVLayout(**_layout_fields(self.layout)),
-                                   max_model_len=self._max_model_len)
-        waits = self._backoff.waits()
-        while True:
-            try:
-                reply = self._stub.Attach(request, timeout=self._bulk_timeout)
-                break
-            except grpc.RpcError as exc:
-                err = from_rpc_error(exc)
-            wait = next(waits, None) if retry and isinstance(err, Unavailable) and not self._closed else None
-            if wait is None:
-                raise err
-            log.debug("attach unavailable, retrying in %.3f s error=%s", wait, err)
-            time.sleep(wait)  # the channel reconnects by itself (_CHANNEL_OPTIONS' backoff)
-        return reply
-
     def _adopt(self, reply: pb.AttachReply) -> None:
         """Make an Attach reply this attachment's session: map the pools, start the lease."""
         self.id = reply.session_id
@@ -190,25 +155,11 @@ class Attachment:
         self.tenant = reply.tenant
         self.lease_s = reply.lease_s
         self.max_message_bytes = reply.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES
-        self.pool = self._map(reply.pools)
+        self.pool = self._conn.map(reply.pools)
         self._keepalive = KeepAlive(self._stub, self.id, self.lease_s, self._on_lease_lost,
                                     renew_s=self._lease_renew).start()
         log.info("attached session=%#x epoch=%d tenant=%s mapped=%s", self.id, self.epoch, self.tenant,
                  self.pool is not None)
-
-    def _map(self, pools) -> MappedPool | None:
-        if self._mapped is False:
-            return None
-        device = [d for d in pools if d.tier in ("device", "")]
-        try:
-            if not device:
-                raise MappingError("the daemon sent no device pool descriptor")
-            return map_pool(device[0], self.layout)
-        except MappingError as exc:
-            if self._mapped:
-                raise
-            log.info("pool not mapped, KV goes over the rpcs: %s", exc)
-            return None
 
     def _stop_keepalive(self) -> None:
         if self._keepalive is not None:
@@ -244,7 +195,7 @@ class Attachment:
                 raise NotFound("the session is closed; connect again")
             if self._generation != gen:
                 return list(self._last_reclaimed)
-            if self._session_alive():
+            if self._conn.session_alive(self.id, self._timeout):
                 if self._keepalive is None or not self._keepalive.alive():
                     self._stop_keepalive()
                     self._keepalive = KeepAlive(self._stub, self.id, self.lease_s, self._on_lease_lost,
@@ -260,7 +211,7 @@ class Attachment:
             # thread opened a sequence in it during the Reclaim, which the recovery then marked
             # lost (or never reclaimed: the client waited on it), and a mapped store passed the
             # lease check with a handle still holding the old daemon's block table.
-            attached = self._attach_rpc(retry=True)
+            attached = self._conn.attach(retry=True)
             try:
                 reply = reclaim_sessions(self._stub, attached.session_id, previous, self._bulk_timeout)
             except grpc.RpcError as exc:
@@ -275,36 +226,13 @@ class Attachment:
             handles = apply_reclaim(self._live, reply, self.layout.block_size)
             self._adopt(attached)
             for seq_id in unknown_reclaimed(self._live, reply):
-                self._release_quietly(seq_id)
+                self._conn.release_quietly(self.id, seq_id, self._timeout)
             self._last_reclaimed = handles
             self._generation += 1
             self.recoveries += 1
             log.warning("reconnected session=%#x previous=%s reclaimed=%d lost=%d", self.id, previous,
                         sum(s.reclaimed for s in handles), sum(s.lost for s in handles))
             return handles
-
-    def _session_alive(self) -> bool:
-        """Probe the current session with Stats (backoff while UNAVAILABLE)."""
-        waits = self._backoff.waits()
-        while True:
-            try:
-                self._stub.Stats(pb.StatsRequest(session_id=self.id), timeout=self._timeout)
-                return True
-            except grpc.RpcError as exc:
-                err = from_rpc_error(exc)
-            if not isinstance(err, Unavailable):
-                return False
-            wait = next(waits, None) if not self._closed else None
-            if wait is None:
-                raise Unavailable(f"the daemon on {self.socket_path} did not come back within "
-                                  f"{self._backoff.total_s} s: {err.message}")
-            time.sleep(wait)
-
-    def _release_quietly(self, seq_id: int) -> None:
-        try:
-            self._stub.Release(pb.ReleaseRequest(session_id=self.id, seq_id=seq_id), timeout=self._timeout)
-        except grpc.RpcError as exc:
-            log.info("release of an unknown reclaimed sequence failed seq=%d error=%s", seq_id, from_rpc_error(exc))
 
     def _check_lease(self, seqs) -> None:
         """Before a mapped store or load: the keep-alive stream must be up.
@@ -407,7 +335,3 @@ class Attachment:
         if self._keepalive is not None:
             self._keepalive.check_invariants()
 
-
-def _layout_fields(layout: KVLayout) -> dict:
-    return {"model_id": layout.model_id, "num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads,
-            "head_dim": layout.head_dim, "dtype": layout.dtype, "block_size": layout.block_size}

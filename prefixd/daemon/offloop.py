@@ -5,10 +5,11 @@ delays every client by as much (``loop_lag``). Two kinds of the engine's work ta
 
 - **A checkpoint** (the engine's trigger, ``prefixctl checkpoint``, the stop): a 1M-block
   pool took 0.3-1.0 s to serialize and 0.3-2.2 s to write (``prefixd.engine.checkpointer``).
-  ``checkpoint`` splits it: (1) on the loop, awaiting the disk barrier the log holds records
-  behind, then ``begin_checkpoint``: settle the log and take the picture (references only,
-  O(nodes)); (2) on the worker thread, the picture's bytes (``Picture.values``: GIL held in
-  short steps); (3) on the log's committer thread, the LMDB write, awaited; (4) on the loop,
+  ``checkpoint`` splits it: (1) on the loop, the picture's walk in slices of ~2 ms, one per
+  loop turn (``prefixd.engine.picture_walk``: the runs changed meanwhile are marked), awaiting
+  the disk barrier the log holds records behind, then ``begin_checkpoint``: settle the log and
+  finish the picture (the marked runs again, O(marked)); (2) on the worker thread, the
+  picture's bytes (``Picture.values``: GIL held in short steps); (3) on the log's committer thread, the LMDB write, awaited; (4) on the loop,
   ``end_checkpoint``. The engine serves calls between the steps: they change the tree, not
   the objects the picture holds, and their records come after the picture's lsn, so the
   checkpoint holds no effect whose record is not in the log before its lsn. At most one
@@ -86,32 +87,52 @@ class OffLoop:
         lock = self._locks.setdefault(id(dc), asyncio.Lock())
         async with lock:
             loop = asyncio.get_running_loop()
-            for _ in range(MAX_BARRIER_WAITS):
-                barrier = dc.checkpoint_barrier()
-                if barrier is None:
-                    break
-                try:
-                    await asyncio.wrap_future(barrier)
-                except Exception:  # noqa: BLE001 - begin_checkpoint raises it as the log's failure
-                    break
+            began = time.perf_counter()
+            walk = dc.begin_picture()
             try:
-                began = time.perf_counter()
-                picture = dc.begin_checkpoint()
+                held, longest = await self._walk(walk)
+                for _ in range(MAX_BARRIER_WAITS):
+                    barrier = dc.checkpoint_barrier()
+                    if barrier is None:
+                        break
+                    try:
+                        await asyncio.wrap_future(barrier)
+                    except Exception:  # noqa: BLE001 - begin_checkpoint raises it as the log's failure
+                        break
+                finished = time.perf_counter()
+                picture = dc.begin_checkpoint(walk)
                 pictured = time.perf_counter()
+                held += pictured - finished
+                longest = max(longest, pictured - finished)
                 index, seqs = await loop.run_in_executor(self._checkpointer, picture.values)
                 made = time.perf_counter()
                 await asyncio.wrap_future(dc.submit_checkpoint(picture, index, seqs))
                 dc.end_checkpoint(picture)
             except BaseException:
+                walk.close()
                 self.num_failed += 1
                 raise
             self.num_checkpoints += 1
-            # the picture is the part on the loop: O(runs in the index)
-            log.info("checkpoint taken path=%s lsn=%d runs=%d picture_ms=%.1f values_ms=%.1f "
-                     "write_ms=%.1f", dc.state_dir, picture.lsn, len(picture.nodes),
-                     (pictured - began) * 1e3, (made - pictured) * 1e3,
-                     (time.perf_counter() - made) * 1e3)
+            # the picture is the part on the loop: in slices (picture_ms, the loop held
+            # held_ms of it in all, longest_ms at most at once)
+            log.info("checkpoint taken path=%s lsn=%d runs=%d picture_ms=%.1f held_ms=%.1f "
+                     "longest_ms=%.1f values_ms=%.1f write_ms=%.1f", dc.state_dir, picture.lsn,
+                     len(picture.nodes), (pictured - began) * 1e3, held * 1e3, longest * 1e3,
+                     (made - pictured) * 1e3, (time.perf_counter() - made) * 1e3)
             return picture.lsn
+
+    @staticmethod
+    async def _walk(walk) -> tuple[float, float]:
+        """Step ``walk`` to its end, one slice per loop turn; returns the time it held the
+        loop, in all and at most at once."""
+        held = longest = 0.0
+        while not walk.done:
+            at = time.perf_counter()
+            walk.step()
+            took = time.perf_counter() - at
+            held, longest = held + took, max(longest, took)
+            await asyncio.sleep(0)
+        return held, longest
 
     async def checkpoint_all(self, engine) -> dict:
         """Checkpoint every pool, each even if another fails; returns ``{key: lsn}``.

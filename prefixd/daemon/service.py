@@ -175,6 +175,12 @@ class PrefixCacheService(pb_grpc.PrefixCacheServicer):
         # know, and the session is made only once the pool is (a caller gone meanwhile leaves
         # none behind)
         pool = await self._pool(layout, attach_wait_s(context.time_remaining()))
+        remaining = context.time_remaining()
+        if context.cancelled() or (remaining is not None and remaining <= 0):
+            # a loop held past the call's deadline (a loaded host) woke up after the client
+            # gave up: a session made now would have no one to hold it until its lease ends
+            raise unavailable("the Attach's deadline passed while its pool was being made: "
+                              "Attach again")
         session = self.core.sessions.attach(self.tenant, name, layout, pool)
         return pb.AttachReply(session_id=session.id, lease_s=self.core.config.lease_s,
                               pools=pool_descriptors(pool), tenant=self.tenant,

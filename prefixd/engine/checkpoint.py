@@ -315,20 +315,28 @@ def load(tree, index: dict, block_bytes: int) -> Loaded:
 
 def dump_engine(cache, sessions: dict, recovered, file_ids: dict) -> tuple[dict[bytes, bytes], dict[bytes, bytes]]:
     """The checkpoint values of a durable cache: ``dump`` of its tree, its live and recovered
-    sequences (each named by its deepest node's last hash), the next sequence id and the tier
-    files' ids (``sessions``: live seq id -> session id; ``recovered``: ``RecoveredSeq``s)."""
-    seqs = []
-    for seq in cache.sequences():
-        node = seq.node
-        seqs.append([seq.id, sessions.get(seq.id, 0),
-                     node.hashes[-1] if node.parent is not None else ZERO_HASH, seq.extra])
-    for rec in recovered:
-        node = rec.node
-        seqs.append([rec.seq_id, rec.session_id,
-                     node.hashes[-1] if node.parent is not None else ZERO_HASH, rec.extra])
-    meta = {"next_seq_id": cache.next_seq_id,
+    sequences (``engine_seqs``), the next sequence id and the tier files' ids (``engine_meta``)."""
+    return dump(cache, engine_meta(cache, file_ids), engine_seqs(cache, sessions, recovered))
+
+
+def engine_seqs(cache, sessions: dict, recovered) -> list:
+    """The ``seqs`` a checkpoint stores: each live and recovered sequence named by its deepest
+    node's last hash (``sessions``: live seq id -> session id; ``recovered``: ``RecoveredSeq``s)."""
+    seqs = [[seq.id, sessions.get(seq.id, 0), _deepest_hash(seq.node), seq.extra]
+            for seq in cache.sequences()]
+    seqs += [[rec.seq_id, rec.session_id, _deepest_hash(rec.node), rec.extra] for rec in recovered]
+    return seqs
+
+
+def engine_meta(cache, file_ids: dict) -> dict:
+    """The durable engine's part of a checkpoint's ``meta``: the next sequence id and the tier
+    files' ids."""
+    return {"next_seq_id": cache.next_seq_id,
             "file_ids": {str(int(t)): fid.hex() for t, fid in file_ids.items()}}
-    return dump(cache, meta, seqs)
+
+
+def _deepest_hash(node) -> bytes:
+    return node.hashes[-1] if node.parent is not None else ZERO_HASH
 
 
 class CheckpointTrigger:

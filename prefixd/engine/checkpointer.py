@@ -1,10 +1,11 @@
 """A checkpoint in two parts: a picture of the state taken on the engine's thread, and its
 bytes made from the picture on any thread.
 
-``Picture.take`` walks the index once and keeps, per node, references to what the checkpoint
-stores (its tokens, its hashes and checksums, packed or as lists, its host and disk slot
-lists) and the node's numbers; the live and recovered sequences; the meta. It copies no
-per-block data: O(nodes), not O(blocks). ``Picture.values`` then makes exactly the values
+``Picture.take`` finishes a walk of the index (``prefixd.engine.picture_walk``: in slices
+across the loop's turns, or all at once) that keeps, per node, references to what the
+checkpoint stores (its tokens, its hashes and checksums, packed or as lists, its host and disk
+slot lists) and the node's numbers; then the live and recovered sequences and the meta. It
+copies no per-block data. ``Picture.values`` then makes exactly the values
 ``checkpoint.dump_engine`` makes for that state (``index``, ``seqs``), touching nothing but the
 picture, so the engine serves on meanwhile.
 
@@ -31,21 +32,14 @@ from typing import NamedTuple
 import msgpack
 import numpy as np
 
-from prefixd.engine.packed_node import PackedNode
-from prefixd.engine.records import RECORDS_VERSION, ZERO_HASH
+from prefixd.engine.checkpoint import engine_meta, engine_seqs
+from prefixd.engine.picture_walk import (DISK, HASHES, HITS, HOST, LAST_ACCESS, NUM_BLOCKS, ON_DEVICE, PARENT,
+                                         PRIORITY, SUMS, TOKENS, PictureWalk)
+from prefixd.engine.records import RECORDS_VERSION
 from prefixd.wal.checkpoint_store import CHUNK_SIZE
 
 _STEP = 1 << 15  # items per numpy conversion: ~0.3 ms each, the GIL held that long at most
 _SWAP = sys.byteorder != "little"
-
-
-# What the checkpoint stores of one node, by reference (see the module docstring): a plain
-# tuple (a NamedTuple's constructor costs a Python call per node, on the engine's thread)
-# ``(parent, num_blocks, last_access, hits, priority, tokens, hashes, on_device, host, disk,
-# sums)``: ``parent`` the index in the picture or ``-1 - r`` for root ``r``; ``hashes`` and
-# ``sums`` packed bytes (a ``PackedNode`` not unpacked) or the node's lists (``sums`` None
-# without checksums); ``host`` / ``disk`` the slot lists or None.
-PARENT, NUM_BLOCKS, LAST_ACCESS, HITS, PRIORITY, TOKENS, HASHES, ON_DEVICE, HOST, DISK, SUMS = range(11)
 
 
 class Picture(NamedTuple):
@@ -56,8 +50,8 @@ class Picture(NamedTuple):
     count towards the next one)."""
 
     lsn: int
-    nodes: list[tuple]  # per node, see ``PARENT`` ... ``SUMS``
-    roots: list  # ``[extra, root hash]``
+    nodes: dict  # node -> ``picture_walk.record``, parents reached before their children
+    roots: list  # ``[(extra, root node), ...]``
     meta: dict
     seqs: list
     since_records: int
@@ -65,50 +59,53 @@ class Picture(NamedTuple):
 
     @classmethod
     def take(cls, cache, sessions: dict, recovered, file_ids: dict, lsn: int,
-             since_records: int = 0, tail_blocks: int = 0) -> "Picture":
+             since_records: int = 0, tail_blocks: int = 0, walk: PictureWalk | None = None) -> "Picture":
         """The picture of ``cache`` now (on the engine's thread; the arguments are those of
-        ``checkpoint.dump_engine``, and ``lsn`` the last record the state includes)."""
-        tree = cache.tree
-        nodes: list[tuple] = []
-        append = nodes.append
-        roots = list(tree.roots.items())
-        for r, (_, root) in enumerate(roots):
-            stack = [(child, -1 - r) for child in reversed(list(root.children.values()))]
+        ``checkpoint.dump_engine``, and ``lsn`` the last record the state includes). ``walk``:
+        the ``PictureWalk`` of ``cache.tree`` stepped to its end (else it is walked here)."""
+        if walk is None:
+            walk = PictureWalk(cache.tree, marks=False)
+            walk.step(float("inf"))
+        try:
+            roots = walk.finish()
+        finally:
+            walk.close()
+        meta = {"block_size": cache.block_size, "clock": cache.tree.clock,
+                "records_version": RECORDS_VERSION, **engine_meta(cache, file_ids)}
+        return cls(lsn, walk.records, roots, meta, engine_seqs(cache, sessions, recovered),
+                   since_records, tail_blocks)
+
+    def ordered(self) -> list[tuple]:
+        """The records in tree order (parents first, children in their parent's order when
+        reached), each with ``PARENT`` made the parent's index or ``-1 - r`` for root ``r``.
+
+        NOTE: a node recorded again by ``PictureWalk.finish`` keeps its place in ``nodes``
+        and one added while the walk was open comes last, after nodes it may be the parent
+        of (a split's head): the order is made here, from the parent links, off the loop."""
+        records = self.nodes
+        kids: dict[int, list] = {id(root): [] for _, root in self.roots}
+        for node, rec in records.items():
+            kids.setdefault(id(rec[PARENT]), []).append(node)
+        out: list[tuple] = []
+        for r, (_, root) in enumerate(self.roots):
+            stack = [(child, -1 - r) for child in reversed(kids[id(root)])]
             while stack:
                 node, parent = stack.pop()
-                me = len(nodes)
-                on_device, on_host, on_disk = node.slots
-                if type(node) is PackedNode:
-                    packed_hashes, packed_sums = node.still_packed()
-                    hashes = packed_hashes if packed_hashes is not None else node.hashes
-                    sums = packed_sums if packed_sums is not None else node.checksums
-                else:
-                    hashes, sums = node.hashes, node.checksums
-                append((parent, node.num_blocks, node.last_access, node.hit_count,
-                        node.priority, node.tokens, hashes, on_device is not None, on_host,
-                        on_disk, sums))
-                if node.children:
-                    stack.extend([(child, me) for child in reversed(node.children.values())])
-        seqs = []
-        for seq in cache.sequences():
-            node = seq.node
-            seqs.append([seq.id, sessions.get(seq.id, 0),
-                         node.hashes[-1] if node.parent is not None else ZERO_HASH, seq.extra])
-        for rec in recovered:
-            node = rec.node
-            seqs.append([rec.seq_id, rec.session_id,
-                         node.hashes[-1] if node.parent is not None else ZERO_HASH, rec.extra])
-        meta = {"block_size": cache.block_size, "clock": tree.clock,
-                "records_version": RECORDS_VERSION, "next_seq_id": cache.next_seq_id,
-                "file_ids": {str(int(t)): fid.hex() for t, fid in file_ids.items()}}
-        return cls(lsn, nodes, [[extra, root.hashes[-1]] for extra, root in roots], meta, seqs,
-                   since_records, tail_blocks)
+                me = len(out)
+                out.append((parent, *records[node][1:]))
+                below = kids.get(id(node))
+                if below:
+                    stack.extend([(child, me) for child in reversed(below)])
+        if len(out) != len(records):
+            raise ValueError(f"checkpoint picture reaches {len(out)} of its {len(records)} runs "
+                             f"from the roots")
+        return out
 
     def values(self) -> tuple[dict[bytes, object], dict[bytes, bytes]]:
         """``(index, seqs)`` for ``Wal.submit_checkpoint``: the bytes ``checkpoint.dump_engine``
         makes of the pictured state (on any thread; see the module's NOTE), the large values
         given as their list of ``CHUNK_SIZE`` chunks."""
-        nodes = self.nodes
+        nodes = self.ordered()
         num_blocks = sum(n[NUM_BLOCKS] for n in nodes)
         tokens = _Pieces(sum(len(n[TOKENS]) for n in nodes))
         hashes = _Pieces(16 * num_blocks)
@@ -145,7 +142,7 @@ class Picture(NamedTuple):
             b"blocks.host": _pieces_of(host),
             b"blocks.disk": _pieces_of(disk),
             b"blocks.sums": sums.done(),
-            b"roots": msgpack.packb(self.roots),
+            b"roots": msgpack.packb([[extra, root.hashes[-1]] for extra, root in self.roots]),
             b"meta": msgpack.packb(self.meta),
         }
         return index, {b"seqs": msgpack.packb(self.seqs)}

@@ -283,7 +283,7 @@ class ClusterTier:
             self.promote_refused += 1
             return 0
         for node in path_to(seq.node):  # the helper's hit on the match is not a request's
-            node.hit_count -= 1
+            node.hit_count -= 1  # marked for a picture by the open's touch
         try:
             if seq.num_indexed != have:  # a local disk block failed its checksum: cut there
                 self.promote_refused += 1

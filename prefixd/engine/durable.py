@@ -379,9 +379,13 @@ class DurableCache:
         """``Upkeep.checkpoint_barrier``: the disk barrier to wait for first, or None."""
         return self.upkeep.checkpoint_barrier()
 
-    def begin_checkpoint(self):
+    def begin_picture(self):
+        """``Upkeep.begin_picture``: a picture walk to step across loop turns."""
+        return self.upkeep.begin_picture()
+
+    def begin_checkpoint(self, walk=None):
         """``Upkeep.begin_checkpoint``: settle and picture the state (the engine's thread)."""
-        return self.upkeep.begin_checkpoint()
+        return self.upkeep.begin_checkpoint(walk)
 
     def submit_checkpoint(self, picture, index: dict, seqs: dict) -> Future:
         """``Upkeep.submit_checkpoint``: the picture's values to the log (any thread)."""

@@ -18,6 +18,7 @@ from prefixd.cache.node import DISK
 from prefixd.crashpoints import crash_point
 from prefixd.engine.checkpoint import CheckpointTrigger
 from prefixd.engine.checkpointer import Picture
+from prefixd.engine.picture_walk import PictureWalk
 from prefixd.engine.quarantine import Quarantine
 from prefixd.engine.records import scan_events
 from prefixd.storage.errors import StorageError
@@ -216,15 +217,25 @@ class Upkeep:
         self.submit()
         return self.order.pending_barrier()
 
+    def begin_picture(self) -> PictureWalk:
+        """Start the picture of the index (``PictureWalk``): the caller ``step``s it between
+        its other work, then hands it to ``begin_checkpoint``, which finishes it."""
+        return PictureWalk(self.cache.tree)
+
     @poison_on_storage_error
-    def begin_checkpoint(self) -> Picture:
-        """Settle the log and picture the state at its last lsn (on the engine's thread)."""
-        self.settle()  # every event logged, none held behind a disk barrier: the picture
-        # holds no effect whose record is not in the log before its ``lsn``
-        trigger = self.trigger
-        return Picture.take(self.cache, self.sessions, self.recovered.values(),
-                            self.store.file_ids, self.wal.stats().next_lsn - 1,
-                            trigger.tail_records, trigger.tail_blocks)
+    def begin_checkpoint(self, walk: PictureWalk | None = None) -> Picture:
+        """Settle the log and picture the state at its last lsn (on the engine's thread):
+        finish ``walk`` (stepped to its end), or walk the whole index now."""
+        try:
+            self.settle()  # every event logged, none held behind a disk barrier: the picture
+            # holds no effect whose record is not in the log before its ``lsn``
+            trigger = self.trigger
+            return Picture.take(self.cache, self.sessions, self.recovered.values(),
+                                self.store.file_ids, self.wal.stats().next_lsn - 1,
+                                trigger.tail_records, trigger.tail_blocks, walk)
+        finally:
+            if walk is not None:
+                walk.close()
 
     def submit_checkpoint(self, picture: Picture, index: dict, seqs: dict):
         """Hand ``picture``'s values (``Picture.values``) to the log; returns the Future of

@@ -1,6 +1,7 @@
 """gsp-shaped chat requests for a real model, and ``generate`` timed to its first token.
 
-Shared by ``bench/e2e.py`` and ``make demo`` (``prefixd.tools.demo_model``): a few long system
+Shared by ``bench/e2e.py``, ``bench/vllm.py`` and ``make demo`` (``prefixd.tools.demo_model``),
+with the flags both benchmarks take (``add_request_args``): a few long system
 prompts (a made-up support desk's handbook, in English, ~1,500 tokens each by default), each
 asked several short questions (~100 tokens). Every request is the chat template of (system,
 user), so the system part is a token-exact prefix shared by all questions to that system.
@@ -93,6 +94,28 @@ def build_requests(tokenizer, num_systems: int, num_questions: int, system_token
                 raise ValueError("the chat template does not keep the system part a token prefix")
             out.append(ChatRequest(s, q, ids, prefix_len))
     return out
+
+
+def add_request_args(parser, quick: dict) -> None:
+    """The flags ``bench/e2e.py`` and ``bench/vllm.py`` share: ``--json``, ``--quick`` (the
+    sizes ``quick`` names) and the requests' shape, ``--systems``, ``--questions``,
+    ``--system-tokens`` and ``--new-tokens`` (unset: the run's default, ``request_params``)."""
+    parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    parser.add_argument("--quick", action="store_true", help="a small smoke run (%s)" % quick)
+    parser.add_argument("--systems", type=int)
+    parser.add_argument("--questions", type=int)
+    parser.add_argument("--system-tokens", type=int)
+    parser.add_argument("--new-tokens", type=int)
+
+
+def request_params(args, full: dict, quick: dict) -> dict:
+    """The run's sizes: ``quick`` with ``--quick``, else ``full``, each key that ``args`` sets
+    (a flag of the same name, not None) taking its value."""
+    params = dict(quick if args.quick else full)
+    for key in params:
+        if getattr(args, key) is not None:
+            params[key] = getattr(args, key)
+    return params
 
 
 class _FirstToken:

@@ -34,9 +34,11 @@ from typing import Callable, Iterable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# ``sync`` and ``engine_tables`` (more ``[engine.*]`` tables, such as a model's own pool
+# sizes) come from ``fields``, defaulting to ``CONFIG_DEFAULTS``
 CONFIG = """
 [engine]
-sync = "commit"
+sync = "{sync}"
 shm_dir = "{shm}"
 reclaim_grace_s = 30.0
 
@@ -44,10 +46,11 @@ reclaim_grace_s = 30.0
 device = {device}
 host = {host}
 disk = {disk}
-
+{engine_tables}
 [daemon]
 lease_s = {lease_s}
 """
+CONFIG_DEFAULTS = {"sync": "commit", "engine_tables": ""}
 
 # what no clean run of the daemon prints: an ERROR/CRITICAL record (``daemon/logs.py`` puts
 # the level first), a traceback (logged or raw on stderr), an exception Python could not
@@ -66,7 +69,8 @@ class DaemonProc:
     Args:
         base: the directory of its state, shm pools (unless ``shm_dir``), socket, config and log.
         config: the TOML text, a ``str.format`` template over ``shm``, ``base``, ``device``,
-            ``host``, ``disk``, ``lease_s`` and ``fields``; None: ``CONFIG``.
+            ``host``, ``disk``, ``lease_s`` and ``fields``; None: ``CONFIG`` (its ``sync`` and
+            ``engine_tables`` fields default to ``CONFIG_DEFAULTS``).
         env: more environment variables for the daemon (``PYTHONPATH`` leads with the
             package's checkout either way).
         entry: what follows the interpreter instead of ``-m prefixd.daemon.cli``.
@@ -93,7 +97,8 @@ class DaemonProc:
         os.makedirs(self.shm_dir, exist_ok=True)
         with open(self.config_path, "w") as f:
             f.write((config or CONFIG).format(shm=self.shm_dir, base=base, device=device, host=host,
-                                              disk=disk, lease_s=lease_s, **(fields or {})))
+                                              disk=disk, lease_s=lease_s,
+                                              **{**CONFIG_DEFAULTS, **(fields or {})}))
         path = os.environ.get("PYTHONPATH")
         self.env = dict(os.environ, PYTHONPATH=ROOT + (os.pathsep + path if path else ""),
                         **(env or {}))

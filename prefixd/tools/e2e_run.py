@@ -75,15 +75,20 @@ def run_requests(model, requests: list[ChatRequest], daemon: DaemonProc, *, new_
     after = [r for r in requests if r.question >= restart_at]
     daemon.start()
     rows: list[Row] = []
-    with pc.connect(daemon.socket, layout_for(model, MODEL_ID), "e2e", mapped=True) as session:
-        _warm_up(model, session, new_tokens)
+
+    def serve(session, reqs: list[ChatRequest], first_kind: str) -> None:
+        # the first request to each system is ``first_kind``, the others to it ``warm``
         seen: set[int] = set()
-        for req in before:
-            kind = "warm" if req.system in seen else "cold"
+        for req in reqs:
+            kind = "warm" if req.system in seen else first_kind
             seen.add(req.system)
             rows.append(_serve(model, session, req, kind, new_tokens))
             if on_row:
                 on_row(rows[-1], len(rows), len(requests))
+
+    with pc.connect(daemon.socket, layout_for(model, MODEL_ID), "e2e", mapped=True) as session:
+        _warm_up(model, session, new_tokens)
+        serve(session, before, "cold")
         restart_at_row = len(rows)
         daemon.kill9()
         restart_s = daemon.start()
@@ -92,13 +97,7 @@ def run_requests(model, requests: list[ChatRequest], daemon: DaemonProc, *, new_
         reconnect_s = time.perf_counter() - t0
         if on_restart:
             on_restart(restart_s, reconnect_s)
-        seen.clear()
-        for req in after:
-            kind = "warm" if req.system in seen else "after_restart"
-            seen.add(req.system)
-            rows.append(_serve(model, session, req, kind, new_tokens))
-            if on_row:
-                on_row(rows[-1], len(rows), len(requests))
+        serve(session, after, "after_restart")
         stats = session.stats()
     stop_code = daemon.stop()
     return RunResult(rows, restart_at_row, restart_s, reconnect_s, stats, stop_code)

@@ -8,7 +8,7 @@ import pytest
 
 import prefixd.client as pc
 from prefixd.api import prefixd_pb2 as pb
-from prefixd.client import attachment
+from prefixd.client import connection
 from prefixd.client.wire import pack_tokens
 
 LAYOUT = pc.KVLayout("fake", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32", block_size=4)
@@ -112,8 +112,8 @@ def fake(monkeypatch, tmp_path):
         def close(self):
             pass
 
-    monkeypatch.setattr(attachment.grpc, "insecure_channel", lambda *a, **k: Channel())
-    monkeypatch.setattr(attachment, "KVStub", lambda channel: daemon)
+    monkeypatch.setattr(connection.grpc, "insecure_channel", lambda *a, **k: Channel())
+    monkeypatch.setattr(connection, "KVStub", lambda channel: daemon)
     return daemon
 
 

@@ -26,7 +26,8 @@ import grpc
 from prefixd.api import prefixd_pb2_grpc as pb_grpc
 from prefixd.tools.daemon_proc import ROOT, DaemonProc, unexpected_lines
 
-__all__ = ["DEFAULT_CONFIG", "ROOT", "DaemonCheckFailed", "DaemonProcess", "start_daemon"]
+__all__ = ["DEFAULT_CONFIG", "METRICS_CONFIG", "ROOT", "DaemonCheckFailed", "DaemonProcess",
+           "start_daemon"]
 
 DEFAULT_CONFIG = """
 [engine]
@@ -41,6 +42,23 @@ disk = 4096
 
 [daemon]
 lease_s = {lease_s}
+"""
+
+# a small daemon with its metrics endpoint on ``base/m.sock`` (8 device blocks: evictions soon)
+METRICS_CONFIG = """
+[engine]
+shm_dir = "{shm}"
+
+[engine.blocks]
+device = 8
+host = 16
+disk = 64
+
+[daemon]
+lease_s = {lease_s}
+
+[daemon.metrics]
+listen = "unix:{base}/m.sock"
 """
 
 

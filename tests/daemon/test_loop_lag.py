@@ -14,23 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.daemon.loop_lag import LAG_S_BOUNDS, LoopLag
 from prefixd.daemon.metrics_http import scrape_unix
-from tests.daemon.harness import start_daemon
+from tests.daemon.harness import METRICS_CONFIG, start_daemon
 
-CONFIG = """
-[engine]
-shm_dir = "{shm}"
-
-[engine.blocks]
-device = 8
-host = 16
-disk = 64
-
-[daemon]
-lease_s = {lease_s}
-
-[daemon.metrics]
-listen = "unix:{base}/m.sock"
-"""
 BLOCK_S = 0.6  # how long the daemon's loop is held
 
 
@@ -79,7 +64,7 @@ def test_a_stall_counts_every_firing_it_swallowed_and_leaves_the_window_after_10
 def test_a_daemon_held_shows_the_stall_in_stats_and_on_the_metrics_endpoint():
     """The names are what ``bench/faults.py`` reads: ``prefixd_loop_lag_p99_seconds`` and
     ``prefixd_loop_lag_max_seconds`` in Stats, ``prefixd_loop_lag_seconds`` scraped."""
-    with start_daemon(CONFIG) as d:
+    with start_daemon(METRICS_CONFIG) as d:
         stub = d.stub()
         before = stub.Stats(pb.StatsRequest(), timeout=30).values
         assert before["prefixd_loop_lag_max_seconds"] < BLOCK_S

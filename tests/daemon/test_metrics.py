@@ -21,34 +21,19 @@ from prometheus_client.parser import text_string_to_metric_families
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.daemon.heap import heap_stats
 from prefixd.daemon.metrics_http import scrape_unix
-from tests.daemon.harness import start_daemon
+from tests.daemon.harness import METRICS_CONFIG, start_daemon
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "docs" / "grafana" / "prefixd.json"
 LAYOUT = pb.KVLayout(model_id="tiny", num_layers=1, num_kv_heads=1, head_dim=8,
                      dtype="float16", block_size=16)
-CONFIG = """
-[engine]
-shm_dir = "{shm}"
-
-[engine.blocks]
-device = 8
-host = 16
-disk = 64
-
-[daemon]
-lease_s = {lease_s}
-
-[daemon.metrics]
-listen = "unix:{base}/m.sock"
-"""
 PROMPTS = [np.arange(i * 1000, i * 1000 + 64, dtype="<i4").tobytes() for i in range(4)]
 
 
 @pytest.fixture(scope="module")
 def daemon():
     """A daemon whose 8-block device pool was made to evict, demote, hit and promote."""
-    with start_daemon(CONFIG) as d:
+    with start_daemon(METRICS_CONFIG) as d:
         stub = d.stub()
         sid = stub.Attach(pb.AttachRequest(client_name="metrics", layout=LAYOUT)).session_id
         for _ in range(2):  # 4 prompts of 4 blocks through 8 device blocks: evictions
