@@ -1,19 +1,30 @@
-"""KV-event journal benchmark: what publishing KV events costs the serving thread.
+"""KV events on ZMQ: what publishing them costs the daemon, and how late a router sees a commit.
 
-Prints one JSON object. gsp requests (``open`` the prompt, ``extend`` by the output less 4
-tokens, ``commit`` at ``index``, ``release``) through a ``DurableCache`` with ``sync="none"``
-(no fsync in the way), the same requests twice on fresh state directories, interleaved in
-rounds so that the host's noise lands on both:
+Two ``prefixd serve`` processes on fresh state (pools in ``/dev/shm``), the same but for
+``[daemon.kv_events]``: one publishes (PUB + replay ROUTER on ``ipc://``, a subscriber reading
+every batch on a thread of this process), one does not. Phases alternate between them
+(``--phases`` of each, on fresh prompts, the order swapped every round) so that the host's
+noise lands on both. A phase is 8
+client processes (``prefixd.client``) doing gsp requests together: ``open`` of the prompt (a
+shared 512-token system prompt + a unique 64-token question), then ``release`` with commit at
+durability ``crash``. Layout ``bench-events``: 1 layer x 1 KV head x head dim 8, fp16, block 16
+(512-byte blocks, as ``bench/rpc.py``), tiers device / host / disk small enough that blocks are
+evicted and demoted (so every event kind flows). Prints one JSON object:
 
-- ``off.per_request_us``: no listener (the daemon before SubscribeEvents);
-- ``on.per_request_us``: the daemon's listener (``EventJournals.observe``) with
-  ``--subscribers`` live subscribers that read every event after each request (as the stream
-  handlers would, on the same thread);
-- ``observe_us_per_request``: the journal's own time per request (timed inside the listener);
-- ``events_per_request``, ``blocks_per_event``: what a router receives.
+- ``off.per_request_us`` / ``publish.per_request_us``: each side's measured seconds over its
+  requests (all 8 clients together), in microseconds; ``ratio`` = publish / off;
+- ``*.daemon_cpu_us_per_request``: the daemon process's CPU (every thread) per request of a
+  phase, warm-up included; ``publish.loop_us_per_request``: the loop's time in the publisher
+  (``prefixd_kv_events_loop_seconds``) per request; ``loop_share``: that over the daemon's
+  CPU per request without publishing (the cost on the hot path, free of the host's noise);
+- ``events_per_s``, ``batches_per_s``: what the subscriber received per second of the
+  publishing phases; ``dropped_batches``: what the daemon counted dropped (0 expected);
+- ``lag_p50_ms`` / ``lag_p99_ms``: from a commit's acknowledgment (``release`` returned in
+  the client) to the subscriber's receipt of the ``BlockStored`` of that prompt's last full
+  block (wall clock of one host; a batch that arrives before the reply counts 0, and
+  ``received_before_ack`` is the fraction that did).
 
-Device 10% / host 40% / disk 150% of the working set, ``write_through``, block 16, 512-byte
-blocks (as ``bench/engine.py``) so that the bookkeeping shows, not memcpy.
+Usage: ``python bench/events.py --json [--phases N] [--requests N] [--out PATH]``.
 """
 
 from __future__ import annotations
@@ -22,101 +33,256 @@ import argparse
 import json
 import os
 import pathlib
+import platform
 import shutil
-import statistics
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from prefixd.api.layout import KVLayout  # noqa: E402
-from prefixd.daemon.event_journal import EventJournals  # noqa: E402
-from prefixd.engine.durable import DurableCache  # noqa: E402
-from prefixd.tools.driver import gc_paused  # noqa: E402
-from prefixd.tools.workloads import gsp, working_set_tokens  # noqa: E402
+import msgpack  # noqa: E402
+import numpy as np  # noqa: E402
+import zmq  # noqa: E402
+
+from prefixd.tools.daemon_proc import DaemonProc  # noqa: E402
 
 BS = 16
-LAYOUT = KVLayout("bench-events", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16",
-                  block_size=BS)
+CLIENTS = 8
+SYSTEM, QUESTION = 512, 64
+LAYOUT = dict(model_id="bench-events", num_layers=1, num_kv_heads=1, head_dim=8,
+              dtype="float16", block_size=BS)
+CONFIG = """
+[engine]
+sync = "commit"
+shm_dir = "{shm}"
+
+[engine.blocks]
+device = 2048
+host = 4096
+disk = 8192
+
+[daemon]
+lease_s = 30.0
+{kv}
+"""
+KV = """
+[daemon.kv_events]
+endpoint = "ipc://{base}/kv"
+replay_endpoint = "ipc://{base}/kvr"
+"""
 
 
-def _sizes(reqs) -> tuple[int, int, int]:
-    ws = working_set_tokens(reqs, BS) // BS
-    per_request = max((len(r.prompt) + len(r.output)) // 4 // BS + 1 for r in reqs)
-    return max(ws // 10, 2 * per_request), max(1, ws * 4 // 10), max(1, ws * 15 // 10)
+class Subscriber:
+    """Reads every batch of ``endpoint`` on a thread, keeping ``(receipt time, seq, payload)``;
+    ``drain`` decodes what came (between phases: the router's work stays off the measured
+    seconds, which share two cores with it), keeping the receipt time of each ``BlockStored``
+    on the GPU by its last block's token ids."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.connect(endpoint)
+        self.raw: list = []
+        self.events = self.batches = 0
+        self.seen: dict[bytes, float] = {}
+        self.last_seq = None
+        self.gaps = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        sock, clock, keep = self.sock, time.time, self.raw.append
+        while not self._stop.is_set():
+            if sock.poll(50):
+                _, seq_b, payload = sock.recv_multipart()
+                keep((clock(), seq_b, payload))
+
+    def drain(self) -> None:
+        raw, self.raw[:] = list(self.raw), []
+        for now, seq_b, payload in raw:
+            seq = int.from_bytes(seq_b, "big")
+            if self.last_seq is not None and seq != self.last_seq + 1:
+                self.gaps += 1
+            self.last_seq = seq
+            _, events, _ = msgpack.unpackb(payload)
+            self.batches += 1
+            self.events += len(events)
+            for e in events:
+                if e["type"] == "BlockStored" and e["medium"] == "GPU" and e["token_ids"]:
+                    key = np.asarray(e["token_ids"][-BS:], dtype="<i4").tobytes()
+                    self.seen.setdefault(key, now)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.sock.close(0)
+        self.ctx.term()
 
 
-def run(reqs, sizes, listen: bool, num_subscribers: int) -> dict:
-    root = tempfile.mkdtemp(prefix="prefixd-bench-events-")
-    shm = tempfile.mkdtemp(prefix="prefixd-bench-events-", dir="/dev/shm")
-    dc = DurableCache(os.path.join(root, "state"), LAYOUT, sizes, sync="none", shm_dir=shm,
-                      checkpoint_records=10**9, checkpoint_blocks=10**12)
-    journals = EventJournals(["t"], 1, 65536, 4096)
-    journal = journals.journal("t")
-    subs = [journal.subscribe(0) for _ in range(num_subscribers)]
-    observe_ns = [0]
-    if listen:
-        def listener(events, _clock=time.perf_counter_ns):
-            t0 = _clock()
-            journals.observe("t", LAYOUT, events)
-            observe_ns[0] += _clock() - t0
-        dc.event_listener = listener
-    clock = time.perf_counter_ns
-    totals = []
+def cpu_s(pid: int) -> float:
+    """The process's CPU seconds so far (user + system, every thread)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def worker(socket_path: str, prompts: list[bytes], warmup: int, barrier, results) -> None:
+    """A client: ``warmup`` requests, the barrier, then the rest; reports its window and, per
+    request, the last full block's tokens and the wall time its commit was acknowledged."""
+    import prefixd.client as pc
+
     try:
-        with gc_paused():
-            for req in reqs:
-                t0 = clock()
-                seq = dc.open(req.prompt)
-                dc.extend(seq.id, req.output[:-4])
-                dc.commit(seq.id, "index")
-                dc.release(seq.id)
-                for sub in subs:
-                    while journal.next_entry(sub) is not None:
-                        pass
-                totals.append(clock() - t0)
+        with pc.connect(socket_path, pc.KVLayout(**LAYOUT), name="bench-events") as s:
+            for p in prompts[:warmup]:
+                s.release(s.open(p), commit=True, durability="crash")
+            barrier.wait()
+            acks = []
+            t0 = time.monotonic()
+            for p in prompts[warmup:]:
+                s.release(s.open(p), commit=True, durability="crash")
+                full = len(p) // (4 * BS) * 4 * BS
+                acks.append((p[full - 4 * BS:full], time.time()))
+            t1 = time.monotonic()
+        results.put(("ok", t0, t1, acks))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        barrier.abort()
+        results.put(("error", repr(exc)))
+
+
+def phase(ctx, socket_path: str, rng, requests: int, warmup: int, system: np.ndarray) -> dict:
+    barrier = ctx.Barrier(CLIENTS)
+    results = ctx.Queue()
+    procs = []
+    for _ in range(CLIENTS):
+        prompts = [np.concatenate([system, rng.integers(0, 50000, QUESTION, dtype="<i4")])
+                   .astype("<i4").tobytes() for _ in range(warmup + requests)]
+        procs.append(ctx.Process(target=worker, args=(socket_path, prompts, warmup, barrier,
+                                                      results), daemon=True))
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(30)
+    errors = [g[1] for g in got if g[0] != "ok"]
+    if errors:
+        raise RuntimeError(f"a client failed: {errors}")
+    t0, t1 = min(g[1] for g in got), max(g[2] for g in got)
+    return {"seconds": t1 - t0, "requests": CLIENTS * requests, "warmup_share": warmup / requests,
+            "acks": [a for g in got for a in g[3]]}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--phases", type=int, default=4, help="phases of each side")
+    ap.add_argument("--requests", type=int, default=150, help="per client per phase")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["prefixd.client"])
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, 50000, SYSTEM, dtype="<i4")
+    shm = tempfile.mkdtemp(prefix="pd-bench-ev-", dir="/dev/shm")
+    daemons = {}
+    sub = None
+    try:
+        for side in ("off", "publish"):
+            base = tempfile.mkdtemp(prefix="pdev-", dir="/tmp")
+            d = DaemonProc(base, config=CONFIG.format(shm="{shm}", kv=KV if side == "publish"
+                                                      else "").replace("{base}", base),
+                           shm_dir=os.path.join(shm, side))
+            os.makedirs(d.shm_dir, exist_ok=True)
+            d.start(120.0)
+            daemons[side] = d
+        sub = Subscriber(f"ipc://{daemons['publish'].base}/kv")
+        time.sleep(0.5)  # the subscription reaches the publisher
+        runs = {"off": [], "publish": []}
+        lags = []
+        for i in range(args.phases):
+            for side in (("off", "publish") if i % 2 == 0 else ("publish", "off")):
+                d = daemons[side]
+                cpu0, loop0 = cpu_s(d.pid()), _loop_s(d) if side == "publish" else 0.0
+                r = phase(ctx, d.socket, rng, args.requests, args.warmup, system)
+                r["daemon_cpu_s"] = cpu_s(d.pid()) - cpu0
+                runs[side].append(r)
+                if side == "publish":
+                    r["loop_s"] = _loop_s(d) - loop0
+                    time.sleep(0.2)  # the last batches arrive
+                    sub.drain()
+                    for key, t_ack in r.pop("acks"):
+                        t_recv = sub.seen.get(key)
+                        if t_recv is not None:
+                            lags.append(t_recv - t_ack)
+        out = summary(runs, lags, sub, daemons["publish"])
     finally:
-        dc.close()
-        shutil.rmtree(root, ignore_errors=True)
+        if sub is not None:
+            sub.close()
+        for d in daemons.values():
+            d.stop(120.0)
+            d.close()
         shutil.rmtree(shm, ignore_errors=True)
-    assert all(not s.overflowed for s in subs)
-    blocks = 0
-    for n in range(journal.oldest, journal.next_sequence_number):
-        blocks += len(journal._ring[n % journal.ring_size].block_hashes)
-    held = journal.next_sequence_number - journal.oldest
-    return {"per_request_us": round(statistics.median(totals) / 1000, 2),
-            "observe_us_per_request": round(observe_ns[0] / len(reqs) / 1000, 2),
-            "events_per_request": round(journal.emitted / len(reqs), 2),
-            "blocks_per_event": round(blocks / held, 1) if held else 0.0}
+    text = json.dumps(out, indent=2)
+    if args.out:
+        pathlib.Path(args.out).write_text(text + "\n")
+    print(text if args.json else f"publish/off {out['ratio']} lag p99 {out['lag_p99_ms']} ms")
+    return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--groups", type=int, default=16)
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--subscribers", type=int, default=4)
-    args = parser.parse_args()
-    reqs = gsp(num_groups=args.groups, prompts_per_group=args.prompts, seed=0)
-    sizes = _sizes(reqs)
-    off, on = [], []
-    for _ in range(args.rounds):
-        off.append(run(reqs, sizes, False, 0))
-        on.append(run(reqs, sizes, True, args.subscribers))
-    pick = lambda runs: min(runs, key=lambda r: r["per_request_us"])  # noqa: E731
-    best_off, best_on = pick(off), pick(on)
-    print(json.dumps({
-        "workload": {"name": "gsp", "groups": args.groups, "prompts_per_group": args.prompts,
-                     "requests": len(reqs), "block_size": BS, "sizes": sizes},
-        "subscribers": args.subscribers, "rounds": args.rounds,
-        "off": {"per_request_us": best_off["per_request_us"]},
-        "on": {"per_request_us": best_on["per_request_us"]},
-        "on_over_off": round(best_on["per_request_us"] / best_off["per_request_us"], 3),
-        "observe_us_per_request": best_on["observe_us_per_request"],
-        "events_per_request": best_on["events_per_request"],
-        "blocks_per_event": best_on["blocks_per_event"],
-    }, sort_keys=True))
+def summary(runs: dict, lags: list[float], sub: Subscriber, pub_daemon) -> dict:
+    def side(rs):
+        seconds = sum(r["seconds"] for r in rs)
+        requests = sum(r["requests"] for r in rs)
+        warm = sum(r["requests"] * (1 + r.get("warmup_share", 0)) for r in rs)
+        return {"per_request_us": round(seconds / requests * 1e6, 1),
+                "rps": round(requests / seconds, 1), "requests": requests,
+                "daemon_cpu_us_per_request": round(sum(r["daemon_cpu_s"] for r in rs) / warm
+                                                   * 1e6, 1),
+                "per_request_us_by_phase": [round(r["seconds"] / r["requests"] * 1e6, 1)
+                                            for r in rs]}
+
+    off, pub = side(runs["off"]), side(runs["publish"])
+    pub_requests = sum(r["requests"] * (1 + r.get("warmup_share", 0)) for r in runs["publish"])
+    pub["loop_us_per_request"] = round(sum(r["loop_s"] for r in runs["publish"]) / pub_requests
+                                       * 1e6, 1)
+    pub_seconds = sum(r["seconds"] for r in runs["publish"])
+    early = sum(x < 0 for x in lags) / len(lags) if lags else None
+    lags = sorted(max(0.0, x) for x in lags)
+    stats = _stats(pub_daemon)
+    return {
+        "off": off, "publish": pub,
+        "ratio": round(pub["per_request_us"] / off["per_request_us"], 3),
+        "loop_share": round(pub["loop_us_per_request"] / off["daemon_cpu_us_per_request"], 4),
+        "events_per_s": round(sub.events / pub_seconds, 1),
+        "batches_per_s": round(sub.batches / pub_seconds, 1),
+        "lag_p50_ms": round(lags[len(lags) // 2] * 1e3, 2) if lags else None,
+        "lag_p99_ms": round(lags[min(len(lags) - 1, int(0.99 * len(lags)))] * 1e3, 2)
+        if lags else None,
+        "lag_samples": len(lags), "received_before_ack": round(early, 3) if lags else None,
+        "subscriber_gaps": sub.gaps,
+        "dropped_batches": stats.get("prefixd_kv_events_dropped_batches_total"),
+        "clients": CLIENTS, "prompt_tokens": SYSTEM + QUESTION, "block_size": BS,
+        "host": {"cpus": os.cpu_count(), "load_1m": round(os.getloadavg()[0], 2),
+                 "python": platform.python_version()},
+    }
+
+
+def _loop_s(d) -> float:
+    return _stats(d).get("prefixd_kv_events_loop_seconds_total", 0.0)
+
+
+def _stats(d) -> dict:
+    import prefixd.client as pc
+
+    with pc.connect(d.socket, pc.KVLayout(**LAYOUT), name="bench-events-stats") as s:
+        return s.stats()
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ policies, tenants), ``[daemon]`` is this::
     ring_size = 65536                     # events kept per tenant for a replay-from
     subscriber_queue = 4096               # events one subscriber may lag before it is cut off
 
+    [daemon.kv_events]                    # the same on ZMQ, vLLM's format (kv_events_settings)
+    endpoint = ""                         # "" off; "tcp://127.0.0.1:5557", "ipc:///run/..."
+
     [daemon.metrics]                      # Prometheus exposition (prefixd.daemon.metrics_http)
     listen = ""                           # "" off; "127.0.0.1:9464" (loopback only) or
                                           #   "unix:/run/prefixd/metrics.sock"
@@ -47,6 +50,7 @@ import os
 
 from prefixd.config.engine_settings import EngineConfig
 from prefixd.config.errors import ConfigError
+from prefixd.config.kv_events_settings import KVEventsConfig
 from prefixd.config.paths import default_socket
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -167,6 +171,7 @@ class DaemonConfig:
     sockets: tuple[TenantSocket, ...] = ()
     metrics: MetricsConfig = MetricsConfig()
     events: EventsConfig = EventsConfig()
+    kv_events: KVEventsConfig = KVEventsConfig()
 
     def __post_init__(self) -> None:
         for key in ("lease_s", "shutdown_grace_s"):

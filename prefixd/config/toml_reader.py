@@ -21,6 +21,7 @@ from prefixd.config.daemon_settings import (DaemonConfig, EventsConfig, Limits, 
                                             TenantSocket)
 from prefixd.config.engine_settings import EngineConfig, Tenant, TierSizes
 from prefixd.config.errors import ConfigError
+from prefixd.config.kv_events_settings import KVEventsConfig
 
 SCALAR_KEYS = ("sync", "sync_interval_ms", "write_policy", "eviction", "verify",
                "checkpoint_records", "checkpoint_blocks", "spill_blocks", "reclaim_grace_s",
@@ -163,8 +164,9 @@ def daemon_config(table: Mapping[str, Any]) -> DaemonConfig:
     known = [f.name for f in dataclasses.fields(DaemonConfig)]
     refuse_unknown("daemon", table, known)
     kwargs = {k: v for k, v in table.items()
-              if k not in ("limits", "sockets", "metrics", "events")}
-    for key, cls in (("events", EventsConfig), ("metrics", MetricsConfig), ("limits", Limits)):
+              if k not in ("limits", "sockets", "metrics", "events", "kv_events")}
+    for key, cls in (("events", EventsConfig), ("kv_events", KVEventsConfig),
+                     ("metrics", MetricsConfig), ("limits", Limits)):
         if key in table:
             sub = table[key]
             if not isinstance(sub, Mapping):

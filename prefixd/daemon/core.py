@@ -82,6 +82,8 @@ class DaemonCore:
         # KV events for routers, per tenant (fed by the engine once it serves; SubscribeEvents)
         self.events = EventJournals([t.name for t in engine_config.tenants], self.epoch,
                                     config.events.ring_size, config.events.subscriber_queue)
+        # the same on ZMQ in vLLM's format (``kv_publisher``), when configured; bound by ``server``
+        self.kv_publishers = None
         # Attend's kernels, off the loop (``kv_rpc``'s NOTE), a batch split over the threads
         # (``attend_job``), started at the first Attend; the daemon waits for them before it
         # closes the engine (``server._shutdown``)

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 from prefixd.daemon import collector
 from prefixd.daemon.heap import heap_stats
+from prefixd.daemon.kv_wire import MEDIUMS
 from prefixd.wal.group import COMMIT_S_BOUNDS, GROUP_SIZE_BOUNDS
 
 TIERS = ("device", "host", "disk")
@@ -133,6 +134,7 @@ def snapshot(core) -> list[Family]:
     for tenant, n in by_tenant.items():
         add("prefixd_sessions", "gauge", "attached client sessions", {"tenant": tenant}, n)
     _events(add, core)
+    _kv_events(add, core)
     for method, n in sorted(core.calls.items()):
         add("prefixd_rpc_calls", "counter", "rpcs received", {"method": method}, n)
     for method, n in sorted(core.errors.items()):
@@ -177,6 +179,31 @@ def _events(add, core) -> None:
             "for more than the ring holds, or another daemon start)", labels, j.gaps)
         add("prefixd_event_ring_events", "gauge", "events held for a replay-from", labels,
             j.next_sequence_number - j.oldest)
+
+
+def _kv_events(add, core) -> None:
+    """The ZMQ publishers' families, per tenant (``prefixd.daemon.kv_publisher``)."""
+    pubs = getattr(core, "kv_publishers", None)
+    if pubs is None:
+        return
+    add("prefixd_kv_events_loop_seconds", "counter", "the event loop's time spent noting and "
+        "publishing KV events on ZMQ (their cost to every request)", {}, pubs.busy_ns / 1e9)
+    for tenant, p in pubs.items():
+        labels = {"tenant": tenant}
+        add("prefixd_kv_events_batches", "counter", "KVEventBatch messages published on ZMQ",
+            labels, p.batches)
+        add("prefixd_kv_events_pending", "gauge", "cache events noted for the next batch (sent "
+            "within 10 ms)", labels, len(p.pending))
+        add("prefixd_kv_events_dropped_batches", "counter", "batches a subscriber's full queue "
+            "could not take (sent to none; kept for replay)", labels, p.dropped)
+        add("prefixd_kv_events_replayed_batches", "counter", "batches sent again on replay "
+            "requests", labels, pubs.replays.replayed.get(tenant, 0))
+        for tier, medium in enumerate(MEDIUMS):
+            m = {"tenant": tenant, "medium": medium}
+            add("prefixd_kv_events_stored_blocks", "counter", "blocks published as BlockStored",
+                m, p.stored[tier])
+            add("prefixd_kv_events_removed_blocks", "counter", "blocks published as "
+                "BlockRemoved", m, p.removed[tier])
 
 
 def _pool(add, pool: dict, dc, block_size: int) -> None:

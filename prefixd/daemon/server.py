@@ -46,6 +46,7 @@ from prefixd.daemon.handlers import GenericOnly, add_service
 from prefixd.daemon.collector import freeze_startup_heap
 from prefixd.daemon.core import SERVING, STOPPING, DaemonCore
 from prefixd.daemon.config_watch import ConfigWatch
+from prefixd.daemon.kv_publisher import KVPublishers
 from prefixd.daemon.lifecycle import Lifecycle
 from prefixd.daemon.metrics_http import MetricsExporter
 from prefixd.daemon.reload import ConfigSource, Reloader
@@ -106,6 +107,8 @@ class Daemon:
             self.core.metrics.start(self.core.config.metrics)
             for sock in self.sockets:  # 2
                 await self._serve_socket(sock)
+            self.core.kv_publishers = KVPublishers.create(  # routers may connect meanwhile
+                self.core.config.kv_events, [t.name for t in self.core.engine_config.tenants])
             log.info("listening sockets=%s state_dir=%s pid=%d", ",".join(self._bound),
                      self.state_dir, os.getpid())
             # 3: the engine recovers off the loop; Status answers meanwhile
@@ -120,10 +123,11 @@ class Daemon:
             self._stop_watch()
             self._stop_metrics()
             await self._close_servers(0)
+            self._close_publishers()
             if lock is not None:
                 lock.release()
             raise
-        self.core.engine.set_event_listener(self.core.events.observe)  # KV events for routers
+        await self._listen()  # KV events for routers
         for _, dc in self.core.engine.pool_items():  # checkpoints beside the loop (offloop.py)
             self.core.offloop.watch(dc)
         freeze_startup_heap()  # imports and the recovered index: no full collection walks them again
@@ -144,6 +148,27 @@ class Daemon:
             logging.shutdown()
             os._exit(status)
         return status
+
+    async def _listen(self) -> None:
+        """Feed the engine's events to the journals (SubscribeEvents) and, when configured,
+        the ZMQ publishers: first ``AllBlocksCleared`` and the recovered index there."""
+        core = self.core
+        journals, pubs = core.events, core.kv_publishers
+        if pubs is None:
+            core.engine.set_event_listener(journals.observe)
+            return
+        await pubs.start(core.engine)
+
+        def listener(tenant, layout, events):
+            journals.observe(tenant, layout, events)
+            pubs.observe(tenant, layout, events)
+
+        core.engine.set_event_listener(listener)
+
+    def _close_publishers(self) -> None:
+        if self.core.kv_publishers is not None:
+            self.core.kv_publishers.close()
+            self.core.kv_publishers = None
 
     def stop(self) -> None:
         """Begin a clean stop (what SIGTERM does)."""
@@ -250,6 +275,7 @@ class Daemon:
         except Exception as exc:  # noqa: BLE001
             log.error("closing the engine failed error=%r", exc)
             status = 1
+        self._close_publishers()  # the last batch out, the replay thread stopped
         log.info("stopped status=%d", status)
         return status
 
