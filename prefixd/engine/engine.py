@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 from prefixd.api.layout import KVLayout
 from prefixd.config.engine_settings import EngineConfig, Tenant
+from prefixd.engine.budgets import Budgets
 from prefixd.engine.durable import DurableCache
 from prefixd.engine.errors import EngineError, PoolDirError, UnknownTenantError
 from prefixd.engine.progress import RecoveryProgress
@@ -81,9 +82,9 @@ class Engine:
             before it binds a socket); the engine takes it itself when None.
         progress: counts the log records replayed while the pools recover (read by the
             daemon's Status from another thread).
-        config: every setting (default: ``EngineConfig()``). Each pool gets the configured
-            pool sizes in full (``config.blocks_for(layout)``): with P pools the engine may use
-            P times the configured memory and disk; a budget shared across pools is future work.
+        config: every setting (default: ``EngineConfig()``). Every pool draws from one byte
+            budget per tier (``budgets``, ``prefixd.engine.budgets``); ``config.blocks_for``
+            caps one pool's blocks.
 
     Raises (on open):
         StateLockedError: another engine (in this or another process) holds ``state_dir``; the
@@ -118,6 +119,7 @@ class Engine:
         self._event_listener = None  # see ``set_event_listener``
         self.unconfigured: list[str] = []  # pool directories of tenants no longer configured
         try:
+            self.budgets = Budgets(self.config, self.state_dir)
             for tenant, layout in self._found():
                 self._pools[(tenant.name, layout)] = self._open(tenant, layout)
         except BaseException:
@@ -235,6 +237,8 @@ class Engine:
         try:
             self._each(lambda dc: dc.close())
         finally:
+            for tenant, layout in self._pools:
+                self.budgets.release_pool(tenant, layout)
             self._pools.clear()
             self._lock.release()
             self._lock = None
@@ -251,10 +255,12 @@ class Engine:
         names = set()
         for (tenant, layout), dc in self._pools.items():
             assert dc.state_dir == self.pool_path(tenant, layout), (dc.state_dir, tenant)
+            assert (tenant, layout) in self.budgets.pools_charged(), f"pool {tenant} uncharged"
             assert dc.layout == layout
             assert dc.store.name not in names, f"two pools share shm file name {dc.store.name}"
             names.add(dc.store.name)
             dc.check_invariants()
+        self.budgets.check_invariants()
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -274,10 +280,15 @@ class Engine:
             raise first
 
     def _open(self, tenant: Tenant, layout: KVLayout) -> DurableCache:
-        sizes = self.config.blocks_for(layout).as_tuple()
+        sizes = self.budgets.pool_sizes(layout)
         os.makedirs(self.config.shm_dir, exist_ok=True)
-        return DurableCache(self.pool_path(tenant.name, layout), layout, sizes,
-                            progress=self.progress, **cache_kwargs(self.config, tenant))
+        self.budgets.charge_pool(tenant.name, layout, sizes)  # before any file is made
+        try:
+            return DurableCache(self.pool_path(tenant.name, layout), layout, sizes,
+                                progress=self.progress, **cache_kwargs(self.config, tenant))
+        except BaseException:
+            self.budgets.release_pool(tenant.name, layout)
+            raise
 
     def _found(self) -> list[tuple[Tenant, KVLayout]]:
         """The pools on disk whose tenant is configured, each checked against its manifest."""

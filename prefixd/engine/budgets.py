@@ -1,0 +1,251 @@
+"""``Budgets``: the bytes per tier the whole engine may take, shared by every pool.
+
+At start the engine resolves ``[engine.budget]`` and each tenant's ``max`` / ``reserved``
+against this host (``Budget.resolve``, ``Machine.probe``) and makes one ``BudgetLedger`` per tier;
+every pool (tenant x layout) of a tier is charged in that one ledger, under its tenant.
+
+The log's room comes first: the disk ledger keeps ``log_reserve`` bytes out of what pools may
+take, ``max(LOG_FLOOR, 2 x the logs on disk at start + checkpoint_records x MEAN_RECORD_BYTES)``:
+LMDB's map grows by what is appended until a checkpoint folds it, and a checkpoint is written
+beside the one it replaces. A start whose filesystem has less free space than the log's room
+not yet taken is refused (``NoRoomForLogError``, one line naming the filesystem and the bytes).
+
+A pool's size per tier is ``min([engine.blocks] cap, (tier budget - header) // block_bytes)``:
+the budget bounds it whatever the layout, and ``[engine.blocks]`` (per model too) caps it.
+What a pool's files take is charged in its tier's ledger for as long as the pool is open
+(``charge_pool``), so an Attach whose pool would not fit is refused before any file is made
+(``refusal``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from prefixd.api.layout import KVLayout
+from prefixd.api.tiers import TIER_NAMES
+from prefixd.config.budget_settings import Budget, Machine, filesystem_bytes
+from prefixd.config.engine_settings import EngineConfig
+from prefixd.config.errors import ConfigError
+from prefixd.config.sizes import format_bytes
+from prefixd.engine.errors import EngineError
+from prefixd.storage.budget_ledger import BudgetLedger
+from prefixd.storage.errors import BudgetExceededError
+from prefixd.storage.poolfile import DATA_OFFSET
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+LOG_FLOOR = 64 * MiB
+MEAN_RECORD_BYTES = 256  # a commit record of a gsp request with its hashes (bench/engine.py)
+
+
+class NoRoomForLogError(EngineError):
+    """The state directory's filesystem has too little free space for the log's room."""
+
+    def __init__(self, where: str, need: int, free: int) -> None:
+        super().__init__(f"the filesystem of {where} has {format_bytes(free)} free and the log "
+                         f"needs {format_bytes(need)} more ({need} bytes): free space there, or "
+                         f"move --state-dir to a filesystem with room")
+        self.where, self.need, self.free = where, need, free
+
+
+def pool_file_bytes(num_slots: int, block_bytes: int) -> int:
+    """What one tier's pool file of ``num_slots`` blocks takes, header included."""
+    return DATA_OFFSET + num_slots * block_bytes if num_slots else 0
+
+
+def log_bytes_on_disk(state_dir: str) -> int:
+    """Bytes the pools' logs (every ``wal`` directory under ``pools/``) take now."""
+    total = 0
+    root = os.path.join(state_dir, "pools")
+    for dirpath, _, files in os.walk(root):
+        if os.path.basename(dirpath) != "wal":
+            continue
+        for name in files:
+            try:
+                total += os.stat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:
+                continue
+    return total
+
+
+class Budgets:
+    """The resolved budget, one ledger per tier, and what each open pool is charged.
+
+    Args:
+        config: the engine's config (``budget``, ``tenants``, ``blocks``, ``checkpoint_records``).
+        state_dir: its filesystem is what a disk percentage is a share of.
+        machine: what the budgets are shares of (default: ``Machine.probe(state_dir)``).
+    Raises:
+        ConfigError: a budget or a reservation that does not hold on this host, naming the key.
+        NoRoomForLogError: the filesystem cannot hold the log's room.
+
+    Invariants: ``_charged[key]`` holds what pool ``key`` (tenant, layout) is charged per tier,
+    and every ledger's charge per tenant is the sum of its pools'.
+
+    Thread safety: the ledgers are locked; ``_charged`` changes on the engine's one caller.
+    """
+
+    def __init__(self, config: EngineConfig, state_dir: str, machine: Machine | None = None) -> None:
+        self.config = config
+        machine = machine if machine is not None else Machine.probe(state_dir)
+        self.machine = machine
+        self.budget = Budget.resolve(config.budget, machine, config.tenants)
+        on_disk = log_bytes_on_disk(state_dir)
+        self.log_reserve = (max(LOG_FLOOR, 2 * on_disk + config.checkpoint_records * MEAN_RECORD_BYTES)
+                            if self.budget.disk else 0)
+        if self.budget.disk and self.log_reserve > self.budget.disk:
+            raise ConfigError(f"engine.budget.disk ({format_bytes(self.budget.disk)}) is below the "
+                              f"log's room ({format_bytes(self.log_reserve)}): raise [engine.budget] "
+                              f"disk to at least {format_bytes(self.log_reserve)}")
+        self.ledgers: dict[str, BudgetLedger] = {}
+        for tier in TIER_NAMES:
+            try:
+                self.ledgers[tier] = BudgetLedger.for_tier(
+                    self.budget, tier, self.log_reserve if tier == "disk" else 0)
+            except ValueError as exc:
+                raise ConfigError(f"[engine.budget] {tier}: {exc}; lower the tenants' "
+                                  f"reserved.{tier} or raise [engine.budget] {tier}") from None
+        self._check_log_room(state_dir, on_disk)
+        self._charged: dict[tuple, tuple[int, int, int]] = {}
+        log.info("budgets device=%d host=%d disk=%d log_reserve=%d", self.budget.device,
+                 self.budget.host, self.budget.disk, self.log_reserve)
+
+    def _check_log_room(self, state_dir: str, on_disk: int) -> None:
+        if not self.budget.disk:
+            return
+        where = os.path.abspath(state_dir)
+        while not os.path.exists(where):
+            where = os.path.dirname(where)
+        st = os.statvfs(where)
+        free = st.f_bavail * st.f_frsize
+        need = max(0, min(self.log_reserve, filesystem_bytes(where)) - on_disk)
+        if free < need:
+            raise NoRoomForLogError(where, need, free)
+
+    # -- sizes ---------------------------------------------------------------------------------
+
+    def pool_sizes(self, layout: KVLayout) -> tuple[int, int, int]:
+        """``(device, host, disk)`` blocks of a pool of ``layout``: the tier's budget less a
+        header, in whole blocks, capped by ``[engine.blocks]`` (0: the tier is off for it)."""
+        cap = self.config.blocks_for(layout).as_tuple()
+        bb = layout.block_bytes
+        return tuple(min(cap[i], max(0, (self.ledgers[t].capacity - DATA_OFFSET) // bb))
+                     if self.ledgers[t].capacity > 0 and cap[i] else 0
+                     for i, t in enumerate(TIER_NAMES))
+
+    def pool_bytes(self, layout: KVLayout) -> tuple[int, int, int]:
+        """What a pool of ``layout``'s files take per tier."""
+        return tuple(pool_file_bytes(n, layout.block_bytes) for n in self.pool_sizes(layout))
+
+    # -- admission -----------------------------------------------------------------------------
+
+    def refusal(self, tenant: str, layout: KVLayout, max_model_len: int, new_pool: bool) -> str | None:
+        """Why an Attach of ``tenant`` with ``layout`` must be refused, or None.
+
+        Refused: a device tier that cannot hold one request of ``max_model_len`` tokens (or a
+        single block), no host and no disk room for a block, and, for a pool not yet made, a
+        tier whose files do not fit what the tenant may still take there.
+        """
+        sizes = self.pool_sizes(layout)
+        bs, bb = layout.block_size, layout.block_bytes
+        need = max(1, -(-max_model_len // bs)) if max_model_len else 1
+        if sizes[0] < need:
+            return self._too_small(layout, "device", sizes[0], need, max_model_len)
+        if not sizes[1] and not sizes[2]:
+            return self._too_small(layout, "host", 0, 1, 0)
+        if not new_pool:
+            return None
+        for i, tier in enumerate(TIER_NAMES):
+            nbytes = pool_file_bytes(sizes[i], bb)
+            ledger = self.ledgers[tier]
+            if nbytes and not ledger.can_charge(tenant, nbytes):
+                return (f"the {tier} budget (engine.budget.{tier} = {self._written(tier)}) holds "
+                        f"{format_bytes(ledger.used_bytes)} of {format_bytes(ledger.capacity)} "
+                        f"(tenant {tenant!r}: {format_bytes(ledger.used_by(tenant))}); a pool of "
+                        f"layout {layout.model_id!r} needs {format_bytes(nbytes)} there: raise "
+                        f"[engine.budget] {tier} (or the tenant's max.{tier}), or lower "
+                        f"{self._cap_key(layout)} {tier}")
+        return None
+
+    def _too_small(self, layout: KVLayout, tier: str, have: int, need: int, max_model_len: int) -> str:
+        i = TIER_NAMES.index(tier)
+        cap = self.config.blocks_for(layout).as_tuple()[i]
+        key = (f"{self._cap_key(layout)} {tier}" if have == cap
+               else f"[engine.budget] {tier} (engine.budget.{tier} = {self._written(tier)}: "
+                    f"{format_bytes(self.ledgers[tier].capacity)})")
+        what = (f"one request of the client's max_model_len={max_model_len} needs {need} blocks"
+                if max_model_len else f"a pool needs at least {need} block")
+        return (f"the {tier} tier holds {have} blocks of layout {layout.model_id!r} "
+                f"({format_bytes(layout.block_bytes)} a block); {what}: raise {key} to hold "
+                f"{format_bytes(pool_file_bytes(need, layout.block_bytes))}, or use a smaller "
+                f"layout or max_model_len")
+
+    def _cap_key(self, layout: KVLayout) -> str:
+        if any(model_id == layout.model_id for model_id, _ in self.config.model_blocks):
+            return f'[engine.blocks.models."{layout.model_id}"]'
+        return "[engine.blocks]"
+
+    def _written(self, tier: str) -> str:
+        size = getattr(self.config.budget, tier)
+        return "the default" if size is None else repr(size.text)
+
+    # -- charges -------------------------------------------------------------------------------
+
+    def charge_pool(self, tenant: str, layout: KVLayout, sizes) -> None:
+        """Charge what the files of a pool of ``sizes`` blocks take, per tier, before they are
+        made (or opened): a pool whose files do not fit is never made.
+
+        Raises:
+            BudgetExceededError: it does not fit (another pool took the room since the Attach
+                was admitted, or, at start, the budget was lowered below what the pools on
+                disk take); nothing is charged for it.
+        """
+        nbytes = tuple(pool_file_bytes(n, layout.block_bytes) for n in sizes)
+        done = []
+        try:
+            for tier, n in zip(TIER_NAMES, nbytes):
+                if n:
+                    self.ledgers[tier].charge(tenant, n)
+                    done.append((tier, n))
+        except BudgetExceededError as exc:
+            for tier, n in done:
+                self.ledgers[tier].release(tenant, n)
+            raise BudgetExceededError(f"the pool of tenant {tenant!r} and layout "
+                                      f"{layout.model_id!r} does not fit: {exc}") from None
+        self._charged[(tenant, layout)] = nbytes
+
+    def release_pool(self, tenant: str, layout: KVLayout) -> None:
+        """Give back what ``charge_pool`` charged for the pool (none: nothing)."""
+        nbytes = self._charged.pop((tenant, layout), None)
+        for tier, n in zip(TIER_NAMES, nbytes or ()):
+            if n:
+                self.ledgers[tier].release(tenant, n)
+
+    def pools_charged(self) -> set:
+        """The (tenant, layout) of every pool charged now."""
+        return set(self._charged)
+
+    # -- reports -------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        """Per tier: ``budget`` (bytes), ``used`` (bytes charged), ``by_tenant``; and
+        ``log_reserve`` (disk bytes kept for the logs)."""
+        out = {}
+        for tier in TIER_NAMES:
+            ledger = self.ledgers[tier]
+            out[tier] = {"budget": self.budget.bytes_of(tier), "used": ledger.used_bytes,
+                         "by_tenant": ledger.by_tenant()}
+        out["log_reserve"] = self.log_reserve
+        return out
+
+    def check_invariants(self) -> None:
+        for i, tier in enumerate(TIER_NAMES):
+            ledger = self.ledgers[tier]
+            ledger.check_invariants()
+            by_tenant: dict[str, int] = {}
+            for (tenant, _), nbytes in self._charged.items():
+                by_tenant[tenant] = by_tenant.get(tenant, 0) + nbytes[i]
+            for tenant, n in by_tenant.items():
+                assert ledger.used_by(tenant) >= n, f"{tier}: tenant {tenant!r} charged less than its pools"
