@@ -166,13 +166,13 @@ class Budgets:
                         f"(tenant {tenant!r}: {format_bytes(ledger.used_by(tenant))}); a pool of "
                         f"layout {layout.model_id!r} needs {format_bytes(nbytes)} there: raise "
                         f"[engine.budget] {tier} (or the tenant's max.{tier}), or lower "
-                        f"{self._cap_key(layout)} {tier}")
+                        f"{self.cap_key(layout)} {tier}")
         return None
 
     def _too_small(self, layout: KVLayout, tier: str, have: int, need: int, max_model_len: int) -> str:
         i = TIER_NAMES.index(tier)
         cap = self.config.blocks_for(layout).as_tuple()[i]
-        key = (f"{self._cap_key(layout)} {tier}" if have == cap
+        key = (f"{self.cap_key(layout)} {tier}" if have == cap
                else f"[engine.budget] {tier} (engine.budget.{tier} = {self._written(tier)}: "
                     f"{format_bytes(self.ledgers[tier].capacity)})")
         what = (f"one request of the client's max_model_len={max_model_len} needs {need} blocks"
@@ -182,7 +182,7 @@ class Budgets:
                 f"{format_bytes(pool_file_bytes(need, layout.block_bytes))}, or use a smaller "
                 f"layout or max_model_len")
 
-    def _cap_key(self, layout: KVLayout) -> str:
+    def cap_key(self, layout: KVLayout) -> str:
         if any(model_id == layout.model_id for model_id, _ in self.config.model_blocks):
             return f'[engine.blocks.models."{layout.model_id}"]'
         return "[engine.blocks]"

@@ -1,5 +1,6 @@
-"""Admission at Attach: a pool too small for one request of the client's max_model_len is
-refused loudly; an unknown length gets one WARNING per pool below the floor."""
+"""Admission at Attach: a pool too small for one request of the client's max_model_len, a
+block above ``max_block_bytes`` and a new pool that does not fit its tenant's budget are
+refused loudly, naming the key; an unknown length gets one WARNING per pool below the floor."""
 
 import logging
 
@@ -9,6 +10,8 @@ import pytest
 import prefixd.client as pc
 from prefixd.daemon import admission
 from prefixd.config import EngineConfig, TierSizes
+from prefixd.config.budget_settings import BudgetSpec, Machine
+from prefixd.engine.budgets import Budgets
 from prefixd.api.layout import KVLayout
 from prefixd.daemon.status import RpcFailure
 from tests.daemon.harness import start_daemon
@@ -28,8 +31,13 @@ lease_s = {lease_s}
 """
 
 
+GiB = 1 << 30
+MACHINE = Machine(mem_total=16 * GiB, disk_total=256 * GiB)
+
+
 def config(device, models=()):
-    return EngineConfig(blocks=TierSizes(device=device, host=16, disk=0), model_blocks=models)
+    cfg = EngineConfig(blocks=TierSizes(device=device, host=16, disk=0), model_blocks=models)
+    return Budgets(cfg, "/nonexistent-state-dir", machine=MACHINE)
 
 
 def test_a_request_that_fits_is_admitted_and_one_that_does_not_is_refused_naming_the_key():
@@ -38,7 +46,7 @@ def test_a_request_that_fits_is_admitted_and_one_that_does_not_is_refused_naming
         admission.check_attach(config(16), "t", LAYOUT, 65)
     msg = str(err.value)
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "16 device blocks" in msg and "64 tokens" in msg and "needs 17 blocks" in msg
+    assert "holds 16 blocks" in msg and "needs 17 blocks" in msg
     assert "[engine.blocks] device" in msg
 
 
@@ -63,10 +71,41 @@ def test_unknown_length_warns_once_per_pool_below_the_floor(caplog):
 def test_attach_with_max_model_len_is_refused_by_a_real_daemon():
     """End to end: the field travels in AttachRequest and the client raises ResourceExhausted."""
     with start_daemon(SMALL) as d:
-        with pytest.raises(pc.ResourceExhausted, match="max_model_len=64 needs 16 blocks"):
+        with pytest.raises(pc.ResourceExhausted, match="max_model_len=64 needs 16 blocks.*"
+                                                       r"\[engine.blocks\] device"):
             pc.connect(d.socket, LAYOUT, max_model_len=64, mapped=False)
         with pc.connect(d.socket, LAYOUT, max_model_len=32, mapped=False) as s:
             assert s.lookup(list(range(8))) == 0
         with pc.connect(d.socket, LAYOUT, mapped=False):
             pass
         assert d.log().count("pool too small to be useful") == 1
+
+
+def test_a_device_budget_below_one_request_names_the_budget_key():
+    cfg = EngineConfig(budget=BudgetSpec(device="64KiB"), blocks=TierSizes(device=1024, host=16, disk=0))
+    budgets = Budgets(cfg, "/nonexistent-state-dir", machine=MACHINE)
+    # 256-byte blocks: (64 KiB - a 4 KiB header) / 256 = 240 device blocks of 4 tokens
+    assert budgets.pool_sizes(LAYOUT)[0] == 240
+    with pytest.raises(RpcFailure, match=r"\[engine.budget\] device \(engine.budget.device = '64KiB'"):
+        admission.check_attach(budgets, "t", LAYOUT, 4 * 241)
+
+
+def test_a_block_above_max_block_bytes_is_refused_naming_the_limit():
+    with pytest.raises(RpcFailure, match=r"\[daemon.limits\] max_block_bytes = 64"):
+        admission.check_attach(config(16), "t", LAYOUT, 0, max_block_bytes=64)
+    admission.check_attach(config(16), "t", LAYOUT, 0, max_block_bytes=LAYOUT.block_bytes)
+
+
+def test_a_new_pool_that_does_not_fit_the_tenants_budget_is_refused_naming_what_it_holds():
+    cfg = EngineConfig(budget=BudgetSpec(host="1MiB"), blocks=TierSizes(device=16, host=4096, disk=0))
+    budgets = Budgets(cfg, "/nonexistent-state-dir", machine=MACHINE)
+    big = KVLayout("big", num_layers=1, num_kv_heads=1, head_dim=64, dtype="float32", block_size=4)
+    budgets.charge_pool("t", big, budgets.pool_sizes(big))  # the whole host budget
+    admission.check_attach(budgets, "t", LAYOUT, 0)  # an existing pool: nothing is made
+    with pytest.raises(RpcFailure) as err:
+        admission.check_attach(budgets, "t", LAYOUT, 0, new_pool=True)
+    msg = str(err.value)
+    assert "the host budget (engine.budget.host = '1MiB') holds" in msg
+    assert "raise [engine.budget] host" in msg
+    budgets.release_pool("t", big)
+    admission.check_attach(budgets, "t", LAYOUT, 0, new_pool=True)
