@@ -127,6 +127,7 @@ def snapshot(core) -> list[Family]:
     if core.engine is not None:
         for (tenant, layout), dc in core.engine.pool_items():
             _pool(add, {"tenant": tenant, "model": layout.model_id}, dc, layout.block_size)
+        _budgets(add, core.engine.budgets.snapshot())
     by_tenant: dict[str, int] = {t.name: 0 for t in core.engine_config.tenants}
     for session in core.sessions:
         by_tenant[session.tenant] = by_tenant.get(session.tenant, 0) + 1
@@ -158,6 +159,18 @@ def _loop_lag(add, core) -> None:
         worst)
     add("prefixd_loop_lag_seconds", "histogram", "event loop lag: how late a 5 ms timer fires "
         "(every call waits as long)", {}, lag.histogram())
+
+
+def _budgets(add, snap: dict) -> None:
+    """The byte budgets' families (``prefixd.engine.budgets``): per tier, and per tenant."""
+    for tier in TIERS:
+        add("prefixd_budget_bytes", "gauge", "the tier's byte budget ([engine.budget])",
+            {"tier": tier}, snap[tier]["budget"])
+        for tenant, n in sorted(snap[tier]["by_tenant"].items()):
+            add("prefixd_used_bytes", "gauge", "bytes the tier's pool files take, by tenant",
+                {"tier": tier, "tenant": tenant}, n)
+    add("prefixd_log_reserve_bytes", "gauge", "disk bytes of the budget kept for the logs", {},
+        snap["log_reserve"])
 
 
 def _events(add, core) -> None:
