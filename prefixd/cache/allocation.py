@@ -35,9 +35,10 @@ class Allocation:
     pinned count exact through every lock, split and residency change on the hot path.
 
     Args:
-        cache: the owner: its tree, allocators, tiering, stats, events, and
+        cache: the owner: its tree, allocators, tiering, stats, events,
             ``on_deferred_shortage`` (the engine's hook for slots quarantined until the log
-            is durable).
+            is durable) and ``on_tier_full`` (the engine's hook that makes room in a tier's
+            byte budget across pools).
     """
 
     def __init__(self, cache) -> None:
@@ -63,6 +64,12 @@ class Allocation:
         ``n`` (``open``, ``extend``): evict, retry, and ask the engine once for quarantined
         slots; ``None`` when they cannot be had."""
         alloc = self.allocators[tier]
+        on_tier_full = self.cache.on_tier_full
+        if on_tier_full is not None:  # the engine: one LRU across the pools of the tier
+            on_tier_full(tier, n)
+            slots = alloc.allocate(n)
+            if slots is not None:
+                return slots
         self.evict(tier, n - alloc.num_free)
         slots = alloc.allocate(n)
         if slots is None and alloc.num_deferred and self.cache.on_deferred_shortage is not None:

@@ -34,7 +34,8 @@ from prefixd.engine.checkpoint import CheckpointTrigger
 from prefixd.engine.kv_io import PoolKV
 from prefixd.engine.reclaim import Reclaimed
 from prefixd.engine.errors import DurabilityError
-from prefixd.cache.node import DISK, HOST
+from prefixd.api.tiers import Tier
+from prefixd.cache.node import DEVICE, DISK, HOST
 from prefixd.engine.ordered_log import OrderedLog
 from prefixd.wal.tickets import DONE_NONE, done, failed
 from prefixd.engine.records import CHECKPOINT_BLOCKS
@@ -114,6 +115,7 @@ class DurableCache:
         self.spill_blocks = spill_blocks
         self.forget_missing_tier = forget_missing_tier
         self.progress = progress  # a ``RecoveryProgress`` to count replayed records into, or None
+        self.shared_clock = None  # the engine's ``tier_lru.SharedClock``: keys compare across pools
         self.cluster = None  # a ``ClusterTier`` once recovered, if configured
         os.makedirs(state_dir, exist_ok=True)
         self.wal = Wal(state_dir, layouts=layout.to_bytes(), sync=sync, interval_ms=sync_interval_ms)
@@ -343,7 +345,23 @@ class DurableCache:
         """The log step (``Upkeep.log_step``): drain the cache's events into the ordered
         queue, then the periodic work. Returns the position of the last record this call
         logged. ``open`` passes ``keep_headroom=False`` (see ``Upkeep.log_step``'s NOTE)."""
-        return self.upkeep.log_step(session_id, keep_headroom)
+        pos = self.upkeep.log_step(session_id, keep_headroom)
+        if self.shared_clock is not None:
+            self.shared_clock.leave(self.cache.tree)
+        return pos
+
+    @poison_on_storage_error
+    def give_room(self, tier: int, num_blocks: int) -> int:
+        """Evict at least ``num_blocks`` of the coldest evictable blocks of ``tier`` (demoting
+        as the eviction policy does), log the drops, make them durable so their slots are
+        released, and give back the extents left idle: another pool of the tier needs the
+        bytes (``prefixd.engine.tier_lru``). Returns the bytes given back."""
+        if not self.cache.evict(num_blocks, tier):
+            return 0
+        self._log()
+        if tier != DEVICE:
+            self.upkeep.force_release()
+        return self.store.shrink(Tier(tier))
 
     # -- periodic work -------------------------------------------------------------------------
 
@@ -395,7 +413,10 @@ class DurableCache:
 
     def _expire_if_due(self) -> None:
         """Release the unclaimed recovered sequences once ``reclaim_grace_s`` has passed; run
-        first by every mutating call, so that expiry never depends on ``tick`` being called."""
+        first by every mutating call, so that expiry never depends on ``tick`` being called.
+        First of all, the pool's clock catches up with the engine's (``shared_clock``)."""
+        if self.shared_clock is not None:
+            self.shared_clock.enter(self.cache.tree)
         if self.recovered and time.monotonic() >= self._reclaim_deadline:
             self.expire_recovered()
 

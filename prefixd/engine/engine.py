@@ -29,6 +29,7 @@ from prefixd.engine.budgets import Budgets
 from prefixd.engine.durable import DurableCache
 from prefixd.engine.errors import EngineError, PoolDirError, UnknownTenantError
 from prefixd.engine.progress import RecoveryProgress
+from prefixd.engine.tier_lru import PoolRoom, SharedClock, TierLRU
 from prefixd.wal.lock import StateDirLock
 
 log = logging.getLogger(__name__)
@@ -118,10 +119,15 @@ class Engine:
         self._pools: dict[tuple[str, KVLayout], DurableCache] = {}
         self._event_listener = None  # see ``set_event_listener``
         self.unconfigured: list[str] = []  # pool directories of tenants no longer configured
+        # one clock for every pool's eviction keys, and one LRU across the pools of a tier
+        self.clock = SharedClock()
+        self._rooms: dict[tuple[str, KVLayout], PoolRoom] = {}
         try:
             self.budgets = Budgets(self.config, self.state_dir)
+            self.tier_lru = TierLRU(self.budgets.ledgers, self._rooms.items)
             for tenant, layout in self._found():
-                self._pools[(tenant.name, layout)] = self._open(tenant, layout)
+                self._pools[(tenant.name, layout)] = dc = self._open(tenant, layout)
+                self._join(dc, tenant.name, layout)
         except BaseException:
             try:
                 self.close()
@@ -171,6 +177,7 @@ class Engine:
             raise EngineError(f"a pool of tenant {tenant!r} and model {layout.model_id!r} "
                               f"exists already: make each pool once")
         self._pools[(tenant, layout)] = dc
+        self._join(dc, tenant, layout)
         self._listen(dc, tenant, layout)
         log.info("pool created tenant=%s model=%s path=%s", tenant, layout.model_id,
                  self.pool_path(tenant, layout))
@@ -200,6 +207,13 @@ class Engine:
         self._event_listener = listener
         for (tenant, layout), dc in self._pools.items():
             self._listen(dc, tenant, layout)
+
+    def _join(self, dc: DurableCache, tenant: str, layout: KVLayout) -> None:
+        """Make ``dc`` one of the pools whose eviction keys and tier budgets are shared."""
+        dc.shared_clock = self.clock
+        self.clock.enter(dc.cache.tree)
+        self.clock.leave(dc.cache.tree)
+        self._rooms[(tenant, layout)] = PoolRoom(tenant, dc)
 
     def _listen(self, dc: DurableCache, tenant: str, layout: KVLayout) -> None:
         listener = self._event_listener
@@ -240,6 +254,7 @@ class Engine:
             for tenant, layout in self._pools:
                 self.budgets.release_pool(tenant, layout)
             self._pools.clear()
+            self._rooms.clear()
             self._lock.release()
             self._lock = None
 
