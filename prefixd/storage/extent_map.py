@@ -192,6 +192,10 @@ class ExtentMap:
             elif before and not after and k and self._allocated[k]:
                 idle.add(k)
 
+    @property
+    def num_idle(self) -> int:
+        return len(self._idle)
+
     def idle(self) -> list[int]:
         """Allocated extents (not the header's) that no slot in use touches, ascending."""
         return sorted(self._idle)

@@ -1,0 +1,366 @@
+"""``ExtentSlotAllocator``: the free slots of a tier whose pool file is sparse
+(``prefixd.storage.extents``), handed out so that extents empty out and can be given back.
+
+It has ``SlotAllocator``'s interface and quarantine (free before reuse), and drives the file:
+
+* ``allocate(n)`` prefers free slots in extents already held, lowest extent first, then
+  never-used slots in held extents, then slots in holes (lowest first); before it hands any
+  out, ``SparsePoolFile.take`` grows the extents they touch. A grow the budget or the
+  filesystem refuses (``BudgetExceededError``, ``NoSpaceError``) makes ``allocate`` return
+  ``None``, as a full tier does, and counts a refusal; until room may be back, ``num_free``
+  counts only the free slots in held extents, so the cache's own eviction frees what it needs
+  there.
+* a slot becomes free for the file (``SparsePoolFile.give_back``) when it becomes allocatable:
+  at ``free``, or when its quarantine batch is released (the record that freed it is durable);
+  then idle extents above ``keep_idle`` are punched (``shrink``), their bytes back in the ledger.
+* the first ``take`` (recovery: the slots the recovered index names) is the file's ``recover``;
+  a pool that allocates first recovers with no slot in use.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from collections import deque
+
+import numpy as np
+
+from prefixd.storage.errors import NoSpaceError
+from prefixd.storage.extents import SparsePoolFile
+
+log = logging.getLogger(__name__)
+
+KEEP_IDLE_EXTENTS = 1  # idle extents a pool keeps after a release: churn need not re-fallocate
+NO_SPACE_RETRY_S = 1.0  # after ENOSPC, grows are tried again at most this often
+_HELD, _HOLE = 1, 2
+
+
+class ExtentSlotAllocator:
+    """Free slots by extent, a quarantine, and the sparse file they are slots of.
+
+    Data structure: a free slot ``s`` below ``_fresh`` sits in ``_buckets[k]`` (a stack) for
+    the extent ``k`` its first byte is in; ``_where[k]`` says whether that extent is held
+    (``_HELD``, its bucket in the ``_held`` heap) or a hole (``_HOLE``, in ``_holes``); the
+    heaps may hold stale entries, skipped when ``_where`` disagrees. Slots ``>= _fresh`` were
+    never handed out. ``_deferred`` is the open quarantine batch, ``_sealed`` the sealed ones.
+
+    Invariants (``check_invariants``): every slot is free, deferred or used exactly once;
+    ``_num_ready`` counts the bucketed slots whose extent is held; every slot in use is
+    counted by the file's extent map (``give_back`` only once a slot is allocatable).
+
+    Thread safety: none; the cache core owns it (one thread).
+    """
+
+    def __init__(self, pool_file: SparsePoolFile, *, recovered: bool = False,
+                 keep_idle: int = KEEP_IDLE_EXTENTS) -> None:
+        """Args:
+            pool_file: the pool's sparse file (its extent map says what is held).
+            recovered: the file is fresh: nothing to recover before the first allocation.
+            keep_idle: idle extents kept allocated after each release.
+        """
+        self.file = pool_file
+        self.extents = pool_file.extent_map
+        self.num_slots = self.extents.num_slots
+        self.keep_idle = keep_idle
+        self.grow_refusals = 0
+        self._recovered = recovered
+        self._buckets: dict[int, list[int]] = {}
+        self._where: dict[int, int] = {}
+        self._held: list[int] = []
+        self._holes: list[int] = []
+        self._num_ready = 0
+        self._num_bucketed = 0
+        self._fresh = 0
+        self._deferred: list[int] = []
+        self._sealed: deque[tuple[int, list[int]]] = deque()
+        self._num_sealed = 0
+        self._refused_at: float | None = None  # when a grow was last refused (None: not since)
+        self._refused_no_space = False
+        self.may_shrink = None  # a callable: False postpones punching (writes still queued)
+
+    # -- geometry -----------------------------------------------------------------------------
+
+    def extent_of(self, slot: int) -> int:
+        """The extent slot ``slot``'s first byte is in. Raises ValueError: out of range."""
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot must be in [0, {self.num_slots}), got {slot}")
+        em = self.extents
+        return (em.data_offset + slot * em.block_bytes) // em.extent_bytes
+
+    def extent_slots(self, extent: int) -> range:
+        """The slots that touch ``extent``: freeing all of them lets ``shrink`` punch it.
+
+        Raises ValueError: out of range."""
+        em = self.extents
+        if not 0 <= extent < em.num_extents:
+            raise ValueError(f"extent must be in [0, {em.num_extents}), got {extent}")
+        start, length = em.byte_range(extent)
+        first = max(0, start - em.data_offset) // em.block_bytes
+        last = -(-(start + length - em.data_offset) // em.block_bytes)
+        return range(min(first, self.num_slots), max(0, min(last, self.num_slots)))
+
+    # -- counts -------------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        """Free slots; while a grow is refused, only those in held extents (what can be had)."""
+        if self._refused_at is not None and not self._room_may_be_back():
+            return self._num_ready + self._fresh_ready()
+        return self._num_bucketed + self.num_slots - self._fresh
+
+    @property
+    def num_deferred(self) -> int:
+        return len(self._deferred) + self._num_sealed
+
+    @property
+    def num_used(self) -> int:
+        return self._fresh - self._num_bucketed - self.num_deferred
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free
+
+    def _room_may_be_back(self) -> bool:
+        """Whether a refused grow is worth trying again; clears the refusal if so."""
+        if self._refused_no_space:
+            back = time.monotonic() - self._refused_at >= NO_SPACE_RETRY_S
+        else:
+            f = self.file
+            back = f.ledger.can_charge(f.tenant, self.extents.extent_bytes)
+        if back:
+            self._refused_at = None
+        return back
+
+    def _fresh_ready(self) -> int:
+        """Never-used slots whose every extent is held (those past the last used slot that
+        end inside its extent, or inside the header's)."""
+        em, n, s = self.extents, 0, self._fresh
+        while s < self.num_slots and self._slot_held(s):
+            n, s = n + 1, s + 1
+            if n > 4096:  # bounded scan; a held run this long is plenty
+                break
+        return n
+
+    def _slot_held(self, s: int) -> bool:
+        em = self.extents
+        start = em.data_offset + s * em.block_bytes
+        for k in range(start // em.extent_bytes, (start + em.block_bytes - 1) // em.extent_bytes + 1):
+            if not em.is_allocated(k):
+                return False
+        return True
+
+    # -- allocate -----------------------------------------------------------------------------
+
+    def allocate(self, n: int) -> list[int] | None:
+        """Take ``n`` free slots, their extents grown; ``None`` (nothing taken) when fewer are
+        free or their extents cannot grow (a refusal, counted in ``grow_refusals``)."""
+        if n == 0:
+            return []
+        if not self._recovered:
+            self.take([])
+        if n > self._num_bucketed + self.num_slots - self._fresh:
+            return None
+        out: list[int] = []
+        self._pop_from(self._held, _HELD, n, out)
+        fresh0 = self._fresh
+        while len(out) < n and self._fresh < self.num_slots and self._slot_held(self._fresh):
+            out.append(self._fresh)
+            self._fresh += 1
+        self._pop_from(self._holes, _HOLE, n, out)
+        if len(out) < n:
+            extra = n - len(out)
+            out += range(self._fresh, self._fresh + extra)
+            self._fresh += extra
+        if self._grow_for(out):
+            return out
+        self._fresh = fresh0
+        self._push([s for s in out if s < fresh0])
+        return None
+
+    def _pop_from(self, heap: list[int], where: int, n: int, out: list[int]) -> None:
+        buckets, places = self._buckets, self._where
+        while len(out) < n and heap:
+            k = heap[0]
+            if places.get(k) != where:
+                heapq.heappop(heap)
+                continue
+            bucket = buckets[k]
+            take = min(n - len(out), len(bucket))
+            out += bucket[-take:][::-1]
+            del bucket[-take:]
+            self._num_bucketed -= take
+            if where == _HELD:
+                self._num_ready -= take
+            if not bucket:
+                heapq.heappop(heap)
+                del buckets[k], places[k]
+
+    def _grow_for(self, slots: list[int]) -> bool:
+        em = self.extents
+        touched = em.touched(slots)
+        missing = em.missing(touched=touched)
+        try:
+            if not self.file.take(slots, touched=touched):
+                self._refuse(False)
+                return False
+        except NoSpaceError as exc:
+            if not self._refused_no_space:
+                log.warning("pool file cannot grow, the filesystem is full: %s", exc)
+            self._refuse(True)
+            return False
+        for k in missing:
+            self._flip(k, _HELD)
+        return True
+
+    def _refuse(self, no_space: bool) -> None:
+        self.grow_refusals += 1
+        self._refused_at = time.monotonic()
+        self._refused_no_space = no_space
+
+    def _flip(self, k: int, where: int) -> None:
+        """Extent ``k`` became held or a hole: move its bucket to the other heap."""
+        if self._where.get(k, where) == where:
+            return
+        self._where[k] = where
+        n = len(self._buckets[k])
+        self._num_ready += n if where == _HELD else -n
+        heapq.heappush(self._held if where == _HELD else self._holes, k)
+
+    def _push(self, slots) -> None:
+        """Bucket free slots (below ``_fresh``) by extent."""
+        em = self.extents
+        off, bb, ext = em.data_offset, em.block_bytes, em.extent_bytes
+        buckets, places, allocated = self._buckets, self._where, em.is_allocated
+        for s in slots:
+            k = (off + s * bb) // ext
+            bucket = buckets.get(k)
+            if bucket is None:
+                buckets[k] = bucket = []
+                where = places[k] = _HELD if allocated(k) else _HOLE
+                heapq.heappush(self._held if where == _HELD else self._holes, k)
+            bucket.append(s)
+            if places[k] == _HELD:
+                self._num_ready += 1
+        self._num_bucketed += len(slots)
+
+    # -- free, quarantine, shrink -------------------------------------------------------------
+
+    def free(self, slots: list[int]) -> None:
+        """Return slots no durable record names: allocatable, and given back to the file."""
+        if slots:
+            self.file.give_back(slots)
+            self._push(slots)
+            self._shrink_idle()
+
+    def defer_free(self, slots: list[int]) -> None:
+        """Return slots that a durable record may still name (``SlotAllocator.defer_free``)."""
+        self._deferred.extend(slots)
+
+    def seal_deferred(self, mark: int) -> None:
+        """Raises ValueError: ``mark`` below the last sealed batch's (see ``SlotAllocator``)."""
+        if not self._deferred:
+            return
+        if self._sealed and mark < self._sealed[-1][0]:
+            raise ValueError(f"quarantine marks must ascend: {mark} after {self._sealed[-1][0]}")
+        self._sealed.append((mark, self._deferred))
+        self._num_sealed += len(self._deferred)
+        self._deferred = []
+
+    def next_deferred_mark(self) -> int | None:
+        return self._sealed[0][0] if self._sealed else None
+
+    def release_deferred(self, upto: int) -> int:
+        """Make every sealed batch with ``mark <= upto`` allocatable; returns how many slots."""
+        released: list[int] = []
+        while self._sealed and self._sealed[0][0] <= upto:
+            released += self._sealed.popleft()[1]
+        self._num_sealed -= len(released)
+        self.free(released)
+        return len(released)
+
+    def release_all_deferred(self) -> int:
+        """Make every quarantined slot allocatable, sealed or not; returns how many."""
+        released = [s for _, slots in self._sealed for s in slots] + self._deferred
+        self._sealed.clear()
+        self._num_sealed = 0
+        self._deferred = []
+        self.free(released)
+        return len(released)
+
+    def _shrink_idle(self) -> None:
+        if self.extents.num_idle > self.keep_idle:
+            self.shrink(self.keep_idle)
+
+    def shrink(self, keep_idle: int = 0) -> int:
+        """Punch the idle extents above the ``keep_idle`` lowest; returns the bytes given back."""
+        if self.extents.num_idle <= keep_idle or (self.may_shrink is not None and not self.may_shrink()):
+            return 0
+        idle = self.extents.idle()
+        freed = self.file.shrink(keep_idle)
+        for k in idle[keep_idle:]:
+            if not self.extents.is_allocated(k):
+                self._flip(k, _HOLE)
+        return freed
+
+    # -- recovery -----------------------------------------------------------------------------
+
+    def take(self, slots) -> None:
+        """Mark specific slots used (recovery); the first call is the file's ``recover``.
+
+        Raises:
+            ValueError: a slot out of range, not free, or given twice.
+            BudgetExceededError, NoSpaceError: see ``SparsePoolFile.recover``.
+        """
+        wanted = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if wanted.size and (wanted.min() < 0 or wanted.max() >= self.num_slots):
+            raise ValueError(f"slots out of range [0, {self.num_slots}): "
+                             f"{sorted(wanted[(wanted < 0) | (wanted >= self.num_slots)].tolist())[:8]}")
+        if wanted.size and np.bincount(wanted, minlength=self.num_slots).max() > 1:
+            raise ValueError("a slot to take is given twice")
+        is_free = np.zeros(self.num_slots, dtype=bool)
+        is_free[self._fresh:] = True
+        for bucket in self._buckets.values():
+            is_free[bucket] = True
+        if not is_free[wanted].all():
+            raise ValueError("some slots to take are not free")
+        if not self._recovered:
+            self.file.recover(wanted)
+            self._recovered = True
+        elif wanted.size and not self._grow_for(wanted.tolist()):
+            raise ValueError("the extents of the slots to take cannot grow")
+        is_free[wanted] = False
+        top = int(wanted.max()) + 1 if wanted.size else 0
+        fresh = max(self._fresh, top)
+        rest = np.flatnonzero(is_free[:fresh])[::-1].tolist()  # lowest slots on top of each stack
+        self._buckets, self._where, self._held, self._holes = {}, {}, [], []
+        self._num_ready = self._num_bucketed = 0
+        self._fresh = fresh
+        self._push(rest)
+
+    def used_slots(self) -> set[int]:
+        free = {s for b in self._buckets.values() for s in b}
+        deferred = {s for _, b in self._sealed for s in b} | set(self._deferred)
+        return set(range(self._fresh)) - free - deferred
+
+    def check_invariants(self) -> None:
+        free = [s for b in self._buckets.values() for s in b]
+        deferred = [s for _, b in self._sealed for s in b] + self._deferred
+        both = free + deferred
+        assert len(set(both)) == len(both), "a slot is free or deferred twice"
+        assert all(0 <= s < self._fresh for s in both), "a free slot is out of range or never used"
+        assert len(free) == self._num_bucketed, "bucketed count drifted"
+        assert self._num_sealed == sum(len(b) for _, b in self._sealed), "sealed count drifted"
+        em = self.extents
+        ready = 0
+        for k, bucket in self._buckets.items():
+            assert bucket, f"empty bucket {k}"
+            assert self._where[k] == (_HELD if em.is_allocated(k) else _HOLE), f"extent {k} misfiled"
+            assert all(self.extent_of(s) == k for s in bucket), f"bucket {k} holds another's slot"
+            ready += len(bucket) if em.is_allocated(k) else 0
+        assert ready == self._num_ready, f"ready count drifted: {self._num_ready} != {ready}"
+        assert set(self._where) == set(self._buckets)
+        if self._recovered:
+            used = sorted(self.used_slots() | set(deferred))
+            assert em.touched(used) == {k: em.users_of(k) for k in range(em.num_extents) if em.users_of(k)}, \
+                "the extent map's users differ from the slots in use"
+        self.file.check_invariants()
