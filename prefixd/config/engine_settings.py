@@ -22,8 +22,8 @@ ignores)::
     host = "10%"
     disk = "32GiB"
 
-    [engine.blocks]            # the most blocks one pool (tenant x layout) takes per tier
-    device = 1024
+    [engine.blocks]            # optional: the most blocks one pool (tenant x layout) takes
+    device = 1024              #   per tier (absent: no cap but the budget)
     host = 4096
     disk = 16384
 
@@ -148,7 +148,8 @@ class EngineConfig:
     Attributes:
         budget: the bytes per tier the whole daemon may take (``[engine.budget]``); every pool
             draws from it (``prefixd.engine.budgets``).
-        blocks: the most blocks of one pool per tier (a cap under the budget).
+        blocks: the most blocks of one pool per tier, a cap under the budget (None: no cap;
+            a table that names some tiers gives the others ``TierSizes``' defaults).
         model_blocks: ``(model_id, TierSizes)`` pairs that replace ``blocks`` for a layout.
         sync, sync_interval_ms: the WAL's fsync policy (``prefixd.wal.Wal``).
         write_policy: ``write_through`` / ``write_back`` / ``selective`` (``prefixd.cache.tiering``).
@@ -172,7 +173,7 @@ class EngineConfig:
     """
 
     budget: BudgetSpec = BudgetSpec()
-    blocks: TierSizes = TierSizes()
+    blocks: TierSizes | None = None
     model_blocks: tuple[tuple[str, TierSizes], ...] = ()
     sync: str = "commit"
     sync_interval_ms: float = 1000.0
@@ -193,7 +194,7 @@ class EngineConfig:
         if not isinstance(self.budget, BudgetSpec):
             raise ConfigError(f"engine.budget must be a BudgetSpec, got "
                               f"{type(self.budget).__name__}")
-        if not isinstance(self.blocks, TierSizes):
+        if self.blocks is not None and not isinstance(self.blocks, TierSizes):
             raise ConfigError(f"engine.blocks must be TierSizes, got {type(self.blocks).__name__}")
         object.__setattr__(self, "model_blocks", tuple(tuple(p) for p in self.model_blocks))
         seen_models = set()
@@ -271,8 +272,9 @@ class EngineConfig:
                 return tenant
         return None
 
-    def blocks_for(self, layout: KVLayout) -> TierSizes:
-        """The pool sizes of a pool of ``layout`` (its model's override, else ``blocks``)."""
+    def blocks_for(self, layout: KVLayout) -> TierSizes | None:
+        """The cap on a pool of ``layout`` (its model's override, else ``blocks``; None: no
+        cap but the budget)."""
         for model_id, sizes in self.model_blocks:
             if model_id == layout.model_id:
                 return sizes

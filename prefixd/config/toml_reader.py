@@ -109,7 +109,8 @@ def engine_config(table: Mapping[str, Any]) -> EngineConfig:
         blocks = _table("engine.blocks", table["blocks"])
         refuse_unknown("engine.blocks", blocks, _TIER_KEYS + ("models",))
         default = TierSizes(**{k: blocks[k] for k in _TIER_KEYS if k in blocks})
-        kwargs["blocks"] = default
+        if any(k in blocks for k in _TIER_KEYS):
+            kwargs["blocks"] = default
         models = []
         for model_id, sizes in _table("engine.blocks.models", blocks.get("models", {})).items():
             where = f'engine.blocks.models."{model_id}"'

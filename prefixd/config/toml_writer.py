@@ -34,7 +34,7 @@ def engine_table(config: EngineConfig) -> dict[str, Any]:
     Raises:
         ConfigError: a tenant salt that is not UTF-8 text (TOML holds only text).
     """
-    blocks: dict[str, Any] = dataclasses.asdict(config.blocks)
+    blocks: dict[str, Any] = {} if config.blocks is None else dataclasses.asdict(config.blocks)
     if config.model_blocks:
         blocks["models"] = {m: dataclasses.asdict(s) for m, s in config.model_blocks}
     table: dict[str, Any] = {key: getattr(config, key) for key in SCALAR_KEYS}
@@ -45,7 +45,8 @@ def engine_table(config: EngineConfig) -> dict[str, Any]:
               if getattr(config.budget, tier) is not None}
     if budget:
         table["budget"] = budget
-    table["blocks"] = blocks
+    if blocks:
+        table["blocks"] = blocks
     tenants = []
     for t in config.tenants:
         try:

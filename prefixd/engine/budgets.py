@@ -10,11 +10,12 @@ LMDB's map grows by what is appended until a checkpoint folds it, and a checkpoi
 beside the one it replaces. A start whose filesystem has less free space than the log's room
 not yet taken is refused (``NoRoomForLogError``, one line naming the filesystem and the bytes).
 
-A pool's size per tier is ``min([engine.blocks] cap, (tier budget - header) // block_bytes)``:
-the budget bounds it whatever the layout, and ``[engine.blocks]`` (per model too) caps it.
-What a pool's files take is charged in its tier's ledger for as long as the pool is open
-(``charge_pool``), so an Attach whose pool would not fit is refused before any file is made
-(``refusal``).
+A pool's size per tier is ``min([engine.blocks] cap, (tier budget - header) // block_bytes)``
+slots: its files are sparse, as large as the budget, and take bytes extent by extent as
+blocks arrive (``prefixd.storage.extents``), charged in the tier's ledger under the pool's
+tenant by its ``TierStore``. An Attach is admitted only if one request of the client's
+``max_model_len`` (or one block) fits every tier within what its tenant may ever hold there
+(``refusal``), and no file is made whose header extent the ledger cannot take.
 """
 
 from __future__ import annotations
@@ -23,19 +24,20 @@ import logging
 import os
 
 from prefixd.api.layout import KVLayout
-from prefixd.api.tiers import TIER_NAMES
+from prefixd.api.tiers import TIER_NAMES, Tier
 from prefixd.config.budget_settings import Budget, Machine, filesystem_bytes
 from prefixd.config.engine_settings import EngineConfig
 from prefixd.config.errors import ConfigError
 from prefixd.config.sizes import format_bytes
 from prefixd.engine.errors import EngineError
 from prefixd.storage.budget_ledger import BudgetLedger
-from prefixd.storage.errors import BudgetExceededError
+from prefixd.storage.extents import EXTENT_BYTES
 from prefixd.storage.poolfile import DATA_OFFSET
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
+UNCAPPED = 1 << 62  # no [engine.blocks] cap: the budget alone sizes a pool
 LOG_FLOOR = 64 * MiB
 MEAN_RECORD_BYTES = 256  # a commit record of a gsp request with its hashes (bench/engine.py)
 
@@ -48,6 +50,11 @@ class NoRoomForLogError(EngineError):
                          f"needs {format_bytes(need)} more ({need} bytes): free space there, or "
                          f"move --state-dir to a filesystem with room")
         self.where, self.need, self.free = where, need, free
+
+
+def _extents(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole extents: what a sparse file takes for them."""
+    return -(-nbytes // EXTENT_BYTES) * EXTENT_BYTES
 
 
 def pool_file_bytes(num_slots: int, block_bytes: int) -> int:
@@ -81,10 +88,9 @@ class Budgets:
         ConfigError: a budget or a reservation that does not hold on this host, naming the key.
         NoRoomForLogError: the filesystem cannot hold the log's room.
 
-    Invariants: ``_charged[key]`` holds what pool ``key`` (tenant, layout) is charged per tier,
-    and every ledger's charge per tenant is the sum of its pools'.
+    Invariants: the ledgers'; each pool's ``TierStore`` charges what its files take.
 
-    Thread safety: the ledgers are locked; ``_charged`` changes on the engine's one caller.
+    Thread safety: the ledgers are locked; the rest does not change after construction.
     """
 
     def __init__(self, config: EngineConfig, state_dir: str, machine: Machine | None = None) -> None:
@@ -108,7 +114,6 @@ class Budgets:
                 raise ConfigError(f"[engine.budget] {tier}: {exc}; lower the tenants' "
                                   f"reserved.{tier} or raise [engine.budget] {tier}") from None
         self._check_log_room(state_dir, on_disk)
-        self._charged: dict[tuple, tuple[int, int, int]] = {}
         log.info("budgets device=%d host=%d disk=%d log_reserve=%d", self.budget.device,
                  self.budget.host, self.budget.disk, self.log_reserve)
 
@@ -129,15 +134,12 @@ class Budgets:
     def pool_sizes(self, layout: KVLayout) -> tuple[int, int, int]:
         """``(device, host, disk)`` blocks of a pool of ``layout``: the tier's budget less a
         header, in whole blocks, capped by ``[engine.blocks]`` (0: the tier is off for it)."""
-        cap = self.config.blocks_for(layout).as_tuple()
+        caps = self.config.blocks_for(layout)
+        cap = (UNCAPPED,) * 3 if caps is None else caps.as_tuple()
         bb = layout.block_bytes
         return tuple(min(cap[i], max(0, (self.ledgers[t].capacity - DATA_OFFSET) // bb))
                      if self.ledgers[t].capacity > 0 and cap[i] else 0
                      for i, t in enumerate(TIER_NAMES))
-
-    def pool_bytes(self, layout: KVLayout) -> tuple[int, int, int]:
-        """What a pool of ``layout``'s files take per tier."""
-        return tuple(pool_file_bytes(n, layout.block_bytes) for n in self.pool_sizes(layout))
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -145,8 +147,11 @@ class Budgets:
         """Why an Attach of ``tenant`` with ``layout`` must be refused, or None.
 
         Refused: a device tier that cannot hold one request of ``max_model_len`` tokens (or a
-        single block), no host and no disk room for a block, and, for a pool not yet made, a
-        tier whose files do not fit what the tenant may still take there.
+        single block), no host and no disk room for a block, or a tier where one such request
+        (its extents and the file's header) is more than the tenant may ever hold there: its
+        ``max``, and the budget less every other tenant's ``reserved``. A pool not yet made
+        must also find its header extents free now (``new_pool``): evicting makes room for
+        blocks, not for files.
         """
         sizes = self.pool_sizes(layout)
         bs, bb = layout.block_size, layout.block_bytes
@@ -155,23 +160,41 @@ class Budgets:
             return self._too_small(layout, "device", sizes[0], need, max_model_len)
         if not sizes[1] and not sizes[2]:
             return self._too_small(layout, "host", 0, 1, 0)
-        if not new_pool:
-            return None
         for i, tier in enumerate(TIER_NAMES):
-            nbytes = pool_file_bytes(sizes[i], bb)
+            if not sizes[i]:
+                continue
             ledger = self.ledgers[tier]
-            if nbytes and not ledger.can_charge(tenant, nbytes):
-                return (f"the {tier} budget (engine.budget.{tier} = {self._written(tier)}) holds "
-                        f"{format_bytes(ledger.used_bytes)} of {format_bytes(ledger.capacity)} "
-                        f"(tenant {tenant!r}: {format_bytes(ledger.used_by(tenant))}); a pool of "
-                        f"layout {layout.model_id!r} needs {format_bytes(nbytes)} there: raise "
-                        f"[engine.budget] {tier} (or the tenant's max.{tier}), or lower "
-                        f"{self.cap_key(layout)} {tier}")
+            nbytes = _extents(DATA_OFFSET + min(need, sizes[i]) * bb)
+            room = self.room_for(tenant, i)
+            header = _extents(DATA_OFFSET + bb)
+            if nbytes > room or (new_pool and not ledger.can_charge(tenant, header)):
+                what = (f"one request of max_model_len={max_model_len} takes "
+                        f"{format_bytes(nbytes)}" if max_model_len
+                        else f"its first block takes {format_bytes(header)}")
+                return (f"the {tier} budget (engine.budget.{tier} = {self._written(tier)}: "
+                        f"{format_bytes(ledger.capacity)} for pools) holds "
+                        f"{format_bytes(ledger.used_bytes)} (tenant {tenant!r}: "
+                        f"{format_bytes(ledger.used_by(tenant))}, at most "
+                        f"{format_bytes(room)}); a pool of layout {layout.model_id!r} does not "
+                        f"fit: {what} there: raise [engine.budget] {tier} (or the tenant's "
+                        f"max.{tier}, or lower other tenants' reserved.{tier})")
         return None
+
+    def room_for(self, tenant: str, tier: int) -> int:
+        """The most bytes ``tenant`` may ever hold in ``tier``: its ``max``, and the tier's
+        room for pools less the other tenants' ``reserved`` (its own blocks and every other
+        tenant's above its reservation may be evicted for it)."""
+        others = sum(t.reserved[tier] for t in self.budget.tenants if t.name != tenant)
+        room = self.ledgers[TIER_NAMES[tier]].capacity - others
+        for t in self.budget.tenants:
+            if t.name == tenant and t.max[tier] is not None:
+                room = min(room, t.max[tier])
+        return max(0, room)
 
     def _too_small(self, layout: KVLayout, tier: str, have: int, need: int, max_model_len: int) -> str:
         i = TIER_NAMES.index(tier)
-        cap = self.config.blocks_for(layout).as_tuple()[i]
+        caps = self.config.blocks_for(layout)
+        cap = UNCAPPED if caps is None else caps.as_tuple()[i]
         key = (f"{self.cap_key(layout)} {tier}" if have == cap
                else f"[engine.budget] {tier} (engine.budget.{tier} = {self._written(tier)}: "
                     f"{format_bytes(self.ledgers[tier].capacity)})")
@@ -191,41 +214,9 @@ class Budgets:
         size = getattr(self.config.budget, tier)
         return "the default" if size is None else repr(size.text)
 
-    # -- charges -------------------------------------------------------------------------------
-
-    def charge_pool(self, tenant: str, layout: KVLayout, sizes) -> None:
-        """Charge what the files of a pool of ``sizes`` blocks take, per tier, before they are
-        made (or opened): a pool whose files do not fit is never made.
-
-        Raises:
-            BudgetExceededError: it does not fit (another pool took the room since the Attach
-                was admitted, or, at start, the budget was lowered below what the pools on
-                disk take); nothing is charged for it.
-        """
-        nbytes = tuple(pool_file_bytes(n, layout.block_bytes) for n in sizes)
-        done = []
-        try:
-            for tier, n in zip(TIER_NAMES, nbytes):
-                if n:
-                    self.ledgers[tier].charge(tenant, n)
-                    done.append((tier, n))
-        except BudgetExceededError as exc:
-            for tier, n in done:
-                self.ledgers[tier].release(tenant, n)
-            raise BudgetExceededError(f"the pool of tenant {tenant!r} and layout "
-                                      f"{layout.model_id!r} does not fit: {exc}") from None
-        self._charged[(tenant, layout)] = nbytes
-
-    def release_pool(self, tenant: str, layout: KVLayout) -> None:
-        """Give back what ``charge_pool`` charged for the pool (none: nothing)."""
-        nbytes = self._charged.pop((tenant, layout), None)
-        for tier, n in zip(TIER_NAMES, nbytes or ()):
-            if n:
-                self.ledgers[tier].release(tenant, n)
-
-    def pools_charged(self) -> set:
-        """The (tenant, layout) of every pool charged now."""
-        return set(self._charged)
+    def by_tier(self) -> dict:
+        """The ledgers by ``Tier``, as ``TierStore`` takes them."""
+        return {Tier(i): self.ledgers[t] for i, t in enumerate(TIER_NAMES)}
 
     # -- reports -------------------------------------------------------------------------------
 
@@ -241,11 +232,5 @@ class Budgets:
         return out
 
     def check_invariants(self) -> None:
-        for i, tier in enumerate(TIER_NAMES):
-            ledger = self.ledgers[tier]
+        for ledger in self.ledgers.values():
             ledger.check_invariants()
-            by_tenant: dict[str, int] = {}
-            for (tenant, _), nbytes in self._charged.items():
-                by_tenant[tenant] = by_tenant.get(tenant, 0) + nbytes[i]
-            for tenant, n in by_tenant.items():
-                assert ledger.used_by(tenant) >= n, f"{tier}: tenant {tenant!r} charged less than its pools"

@@ -84,6 +84,8 @@ class DurableCache:
         progress: a ``prefixd.engine.progress.RecoveryProgress`` that counts replayed records.
         cluster: a ``ClusterConfig``: the Redis Cluster tier below disk (write-behind of
             committed blocks, fetch on a local miss: ``prefixd.engine.cluster_tier``), or None.
+        ledgers, tenant: the ``BudgetLedger`` of each ``Tier`` the pool files are charged to,
+            under ``tenant`` (None: unbounded ledgers of the pool's own).
 
     NOTE (checkpoint trigger): see ``prefixd.engine.records.CHECKPOINT_BLOCKS``.
 
@@ -100,7 +102,8 @@ class DurableCache:
                  checkpoint_records: int = 100_000, checkpoint_blocks: int = CHECKPOINT_BLOCKS,
                  spill_blocks: int = 256,
                  use_cuda: bool | None = False, sync_interval_ms: float = 1000.0,
-                 forget_missing_tier: bool = False, progress=None, cluster=None) -> None:
+                 forget_missing_tier: bool = False, progress=None, cluster=None,
+                 ledgers=None, tenant: str = "default") -> None:
         if verify not in ("lazy", "eager"):
             raise ValueError(f"verify must be 'lazy' or 'eager', got {verify!r}")
         sizes = tuple(num_blocks)
@@ -130,7 +133,8 @@ class DurableCache:
                 rec = recover(self.wal, state_dir, layout, sizes, tenant_salt=tenant_salt,
                               write_policy=write_policy, policy=policy, verify=verify,
                               shm_dir=shm_dir, use_cuda=use_cuda,
-                              forget_missing_tier=forget_missing_tier, progress=progress, t0=t0)
+                              forget_missing_tier=forget_missing_tier, progress=progress, t0=t0,
+                              ledgers=ledgers, tenant=tenant)
                 self.cache, self.store = rec.cache, rec.store
                 self.kv = PoolKV(self.cache, self.store, layout)  # the KV API (``kv_io``)
                 self.recovered = rec.recovered  # seq id -> ``RecoveredSeq``, waiting for reclaim

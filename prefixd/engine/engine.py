@@ -214,6 +214,7 @@ class Engine:
         self.clock.enter(dc.cache.tree)
         self.clock.leave(dc.cache.tree)
         self._rooms[(tenant, layout)] = PoolRoom(tenant, dc)
+        dc.cache.on_tier_full = functools.partial(self.tier_lru.make_room, (tenant, layout))
 
     def _listen(self, dc: DurableCache, tenant: str, layout: KVLayout) -> None:
         listener = self._event_listener
@@ -251,8 +252,6 @@ class Engine:
         try:
             self._each(lambda dc: dc.close())
         finally:
-            for tenant, layout in self._pools:
-                self.budgets.release_pool(tenant, layout)
             self._pools.clear()
             self._rooms.clear()
             self._lock.release()
@@ -270,7 +269,6 @@ class Engine:
         names = set()
         for (tenant, layout), dc in self._pools.items():
             assert dc.state_dir == self.pool_path(tenant, layout), (dc.state_dir, tenant)
-            assert (tenant, layout) in self.budgets.pools_charged(), f"pool {tenant} uncharged"
             assert dc.layout == layout
             assert dc.store.name not in names, f"two pools share shm file name {dc.store.name}"
             names.add(dc.store.name)
@@ -297,13 +295,9 @@ class Engine:
     def _open(self, tenant: Tenant, layout: KVLayout) -> DurableCache:
         sizes = self.budgets.pool_sizes(layout)
         os.makedirs(self.config.shm_dir, exist_ok=True)
-        self.budgets.charge_pool(tenant.name, layout, sizes)  # before any file is made
-        try:
-            return DurableCache(self.pool_path(tenant.name, layout), layout, sizes,
-                                progress=self.progress, **cache_kwargs(self.config, tenant))
-        except BaseException:
-            self.budgets.release_pool(tenant.name, layout)
-            raise
+        return DurableCache(self.pool_path(tenant.name, layout), layout, sizes,
+                            progress=self.progress, ledgers=self.budgets.by_tier(),
+                            tenant=tenant.name, **cache_kwargs(self.config, tenant))
 
     def _found(self) -> list[tuple[Tenant, KVLayout]]:
         """The pools on disk whose tenant is configured, each checked against its manifest."""

@@ -96,16 +96,34 @@ def test_a_block_above_max_block_bytes_is_refused_naming_the_limit():
     admission.check_attach(config(16), "t", LAYOUT, 0, max_block_bytes=LAYOUT.block_bytes)
 
 
-def test_a_new_pool_that_does_not_fit_the_tenants_budget_is_refused_naming_what_it_holds():
-    cfg = EngineConfig(budget=BudgetSpec(host="1MiB"), blocks=TierSizes(device=16, host=4096, disk=0))
+def test_a_new_pool_whose_first_extent_the_budget_cannot_take_is_refused_naming_what_it_holds():
+    cfg = EngineConfig(budget=BudgetSpec(host="8MiB"), blocks=TierSizes(device=16, host=4096, disk=0))
     budgets = Budgets(cfg, "/nonexistent-state-dir", machine=MACHINE)
-    big = KVLayout("big", num_layers=1, num_kv_heads=1, head_dim=64, dtype="float32", block_size=4)
-    budgets.charge_pool("t", big, budgets.pool_sizes(big))  # the whole host budget
-    admission.check_attach(budgets, "t", LAYOUT, 0)  # an existing pool: nothing is made
+    budgets.ledgers["host"].charge("other", 8 << 20)  # every byte held by pools of another tenant
+    admission.check_attach(budgets, "t", LAYOUT, 0)  # an existing pool: its blocks evict others'
     with pytest.raises(RpcFailure) as err:
         admission.check_attach(budgets, "t", LAYOUT, 0, new_pool=True)
     msg = str(err.value)
-    assert "the host budget (engine.budget.host = '1MiB') holds" in msg
+    assert "the host budget (engine.budget.host = '8MiB': 8.0 MiB" in msg
+    assert "for pools) holds 8.0 MiB" in msg
     assert "raise [engine.budget] host" in msg
-    budgets.release_pool("t", big)
+    budgets.ledgers["host"].release("other", 2 << 20)
     admission.check_attach(budgets, "t", LAYOUT, 0, new_pool=True)
+
+
+def test_a_request_larger_than_what_the_tenant_may_ever_hold_is_refused():
+    """Tenant a may hold at most its max; b at most the budget less a's reservation."""
+    from prefixd.config import Tenant
+
+    tenants = (Tenant("a", b"a", max={"host": "4MiB"}, reserved={"host": "2MiB"}), Tenant("b", b"b"))
+    cfg = EngineConfig(budget=BudgetSpec(host="8MiB"), blocks=TierSizes(device=1 << 20, host=1 << 20, disk=0),
+                       tenants=tenants)
+    budgets = Budgets(cfg, "/nonexistent-state-dir", machine=MACHINE)
+    assert budgets.room_for("a", 1) == 4 << 20 and budgets.room_for("b", 1) == 6 << 20
+    tokens_per_mib = (1 << 20) // LAYOUT.block_bytes * LAYOUT.block_size
+    admission.check_attach(budgets, "a", LAYOUT, 3 * tokens_per_mib)
+    with pytest.raises(RpcFailure, match="tenant's max.host"):
+        admission.check_attach(budgets, "a", LAYOUT, 5 * tokens_per_mib)
+    admission.check_attach(budgets, "b", LAYOUT, 5 * tokens_per_mib)
+    with pytest.raises(RpcFailure, match="at most 6.0 MiB"):
+        admission.check_attach(budgets, "b", LAYOUT, 7 * tokens_per_mib)
