@@ -9,8 +9,10 @@ cap, what it holds, and the key to raise, when:
 - its layout's block is larger than ``[daemon.limits] max_block_bytes``;
 - the device tier cannot hold one request of the client's ``max_model_len``
   (``AttachRequest.max_model_len``), or a single block when the client does not say it;
-- its pool is new and a tier's files do not fit what its tenant may still take there (the
-  tier's budget less what is charged and what other tenants have reserved, and its ``max``).
+- one such request (its extents and its files' headers) is more than its tenant may ever
+  hold in a tier: its ``max``, and the tier's budget less every other tenant's ``reserved``.
+  What other pools hold now is not a reason: a new pool's first extents are made room for by
+  the cross-pool LRU (``Engine.make_room_for``) before its files are made.
 
 A client that does not send ``max_model_len`` (0) is let in above one block, and the daemon
 logs ONE WARNING per pool whose device tier is below ``FLOOR_TOKENS``.
@@ -36,7 +38,7 @@ _warned: set[tuple[str, KVLayout]] = set()  # pools already warned about (once p
 
 
 def check_attach(budgets, tenant: str, layout: KVLayout, max_model_len: int, *,
-                 max_block_bytes: int | None = None, new_pool: bool = False) -> None:
+                 max_block_bytes: int | None = None) -> None:
     """Refuse (RESOURCE_EXHAUSTED) an Attach whose pool cannot be useful or cannot fit (see the
     module docstring); warn once per pool below the floor when the client's length is unknown.
 
@@ -44,7 +46,6 @@ def check_attach(budgets, tenant: str, layout: KVLayout, max_model_len: int, *,
         budgets: the engine's ``Budgets`` (pool sizes, ledgers, the keys to name).
         max_model_len: the client's longest request in tokens; 0 when unknown.
         max_block_bytes: ``[daemon.limits] max_block_bytes`` (None: no limit).
-        new_pool: the tenant has no pool of ``layout`` yet (its files would be made).
     Raises:
         RpcFailure: RESOURCE_EXHAUSTED, with what to raise.
     """
@@ -52,7 +53,7 @@ def check_attach(budgets, tenant: str, layout: KVLayout, max_model_len: int, *,
         raise exhausted(f"layout {layout.model_id!r} has blocks of {layout.block_bytes} bytes, more "
                         f"than [daemon.limits] max_block_bytes = {max_block_bytes}: raise it, or "
                         f"use a smaller block_size")
-    why = budgets.refusal(tenant, layout, max_model_len, new_pool)
+    why = budgets.refusal(tenant, layout, max_model_len)
     if why is not None:
         raise exhausted(why)
     device = budgets.pool_sizes(layout)[0]

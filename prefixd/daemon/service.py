@@ -133,6 +133,7 @@ class PrefixCacheService(pb_grpc.PrefixCacheServicer):
             return engine.pool(self.tenant, layout)
         if not offloop.is_making(self.tenant, layout):  # else its checks passed when it began
             self.core.sessions.check_new_pool(self.tenant, len(mine) + offloop.making(self.tenant))
+            engine.make_room_for(self.tenant, layout)  # its first extents, from the coldest blocks
         try:
             pool = await offloop.pool(engine, self.tenant, layout, wait_s)
         except StorageError as exc:
@@ -148,13 +149,9 @@ class PrefixCacheService(pb_grpc.PrefixCacheServicer):
     async def Attach(self, request, context):
         layout = layout_of(request.layout)
         name = request.client_name[:128] or "unnamed"
-        engine = self.core.engine
-        new_pool = (not self.core.offloop.is_making(self.tenant, layout)
-                    and all(info.layout != layout or info.tenant != self.tenant
-                            for info in engine.pools()))
-        admission.check_attach(engine.budgets, self.tenant, layout, request.max_model_len,
-                               max_block_bytes=self.core.config.limits.max_block_bytes,
-                               new_pool=new_pool)
+        admission.check_attach(self.core.engine.budgets, self.tenant, layout,
+                               request.max_model_len,
+                               max_block_bytes=self.core.config.limits.max_block_bytes)
         # a new layout's pool is made off the loop; the Attach waits for it until just before
         # its deadline, then answers UNAVAILABLE (retry): never a deadline the client cannot
         # know, and the session is made only once the pool is (a caller gone meanwhile leaves

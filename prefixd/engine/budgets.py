@@ -143,15 +143,14 @@ class Budgets:
 
     # -- admission -----------------------------------------------------------------------------
 
-    def refusal(self, tenant: str, layout: KVLayout, max_model_len: int, new_pool: bool) -> str | None:
+    def refusal(self, tenant: str, layout: KVLayout, max_model_len: int) -> str | None:
         """Why an Attach of ``tenant`` with ``layout`` must be refused, or None.
 
         Refused: a device tier that cannot hold one request of ``max_model_len`` tokens (or a
         single block), no host and no disk room for a block, or a tier where one such request
         (its extents and the file's header) is more than the tenant may ever hold there: its
-        ``max``, and the budget less every other tenant's ``reserved``. A pool not yet made
-        must also find its header extents free now (``new_pool``): evicting makes room for
-        blocks, not for files.
+        ``max``, and the budget less every other tenant's ``reserved``. (What others hold now
+        is evicted for it: ``first_extents`` and the cross-pool LRU.)
         """
         sizes = self.pool_sizes(layout)
         bs, bb = layout.block_size, layout.block_bytes
@@ -166,11 +165,10 @@ class Budgets:
             ledger = self.ledgers[tier]
             nbytes = _extents(DATA_OFFSET + min(need, sizes[i]) * bb)
             room = self.room_for(tenant, i)
-            header = _extents(DATA_OFFSET + bb)
-            if nbytes > room or (new_pool and not ledger.can_charge(tenant, header)):
+            if nbytes > room:
                 what = (f"one request of max_model_len={max_model_len} takes "
                         f"{format_bytes(nbytes)}" if max_model_len
-                        else f"its first block takes {format_bytes(header)}")
+                        else f"its first block takes {format_bytes(nbytes)}")
                 return (f"the {tier} budget (engine.budget.{tier} = {self._written(tier)}: "
                         f"{format_bytes(ledger.capacity)} for pools) holds "
                         f"{format_bytes(ledger.used_bytes)} (tenant {tenant!r}: "
@@ -179,6 +177,12 @@ class Budgets:
                         f"fit: {what} there: raise [engine.budget] {tier} (or the tenant's "
                         f"max.{tier}, or lower other tenants' reserved.{tier})")
         return None
+
+    def first_extents(self, layout: KVLayout) -> tuple[int, int, int]:
+        """Bytes per tier a new pool of ``layout`` takes with its first block: its files'
+        header and first block, in whole extents (0: the tier is off for it)."""
+        return tuple(_extents(DATA_OFFSET + layout.block_bytes) if n else 0
+                     for n in self.pool_sizes(layout))
 
     def room_for(self, tenant: str, tier: int) -> int:
         """The most bytes ``tenant`` may ever hold in ``tier``: its ``max``, and the tier's

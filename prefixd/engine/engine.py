@@ -150,6 +150,7 @@ class Engine:
         dc = self._pools.get((tenant, layout))
         if dc is not None:
             return dc
+        self.make_room_for(tenant, layout)
         return self.add_pool(tenant, layout, self.make_pool(tenant, layout))
 
     def make_pool(self, tenant: str, layout: KVLayout) -> DurableCache:
@@ -169,6 +170,15 @@ class Engine:
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         _write_manifest(self.pool_path(tenant, layout), conf, layout)
         return self._open(conf, layout)
+
+    def make_room_for(self, tenant: str, layout: KVLayout) -> None:
+        """Evict the least recently used blocks across the pools of each tier (``TierLRU``)
+        until a new pool of ``tenant`` and ``layout`` finds its first extents in the budgets;
+        on the engine's thread, before ``make_pool`` (which then charges them)."""
+        self._check_open()
+        for tier, nbytes in enumerate(self.budgets.first_extents(layout)):
+            if nbytes:
+                self.tier_lru.make_room_bytes(tenant, tier, nbytes)
 
     def add_pool(self, tenant: str, layout: KVLayout, dc: DurableCache) -> DurableCache:
         """Make ``dc`` (from ``make_pool``) the engine's pool of ``tenant`` and ``layout``."""

@@ -120,21 +120,29 @@ class TierLRU:
         """Make the ledger of ``tier`` able to take ``num_blocks`` more blocks of pool ``key``
         (see the module docstring). Returns whether the charge fits now (or the asking pool
         evicted its own blocks, whose slots it reuses)."""
-        if self._busy:
-            return False
         pools = dict(self.pools())
         me = pools.get(key)
         if me is None:
             return False
+        return self._make_room(pools, key, me.tenant, tier, num_blocks * me.block_bytes, num_blocks)
+
+    def make_room_bytes(self, tenant: str, tier: int, nbytes: int) -> bool:
+        """Make the ledger of ``tier`` able to take ``nbytes`` more for ``tenant``, for a pool
+        not made yet (its files' first extents); returns whether it fits now."""
+        return self._make_room(dict(self.pools()), None, tenant, tier, nbytes, 0)
+
+    def _make_room(self, pools: dict, key, tenant: str, tier: int, need: int, num_blocks: int) -> bool:
+        if self._busy:
+            return False
+        me = pools.get(key)
         ledger = self.ledgers[TIER_NAMES[tier]]
-        need = num_blocks * me.block_bytes
         self._busy = True
         try:
             for _ in range(MAX_ROUNDS):
-                short = ledger.shortfall(me.tenant, need)
+                short = ledger.shortfall(tenant, need)
                 if short.total_bytes <= 0:
                     return True
-                victim_key = self.victim(pools, me.tenant, tier, short.own_bytes > 0)
+                victim_key = self.victim(pools, tenant, tier, short.own_bytes > 0)
                 if victim_key is None:
                     return False
                 self.rounds[tier] += 1
@@ -143,12 +151,12 @@ class TierLRU:
                     return True
                 victim = pools[victim_key]
                 want = max(short.total_bytes, BATCH_BYTES)
-                if victim.tenant != me.tenant and not ledger.may_evict(victim.tenant, want, me.tenant):
+                if victim.tenant != tenant and not ledger.may_evict(victim.tenant, want, tenant):
                     want = victim.block_bytes  # what is left above its reservation: a block at a time
                 freed = victim.give_room(tier, -(-want // victim.block_bytes), False)
                 self.cross_pool[tier] += 1
                 self.bytes_freed[tier] += freed
-            return ledger.can_charge(me.tenant, need)
+            return ledger.can_charge(tenant, need)
         finally:
             self._busy = False
 
