@@ -1,0 +1,267 @@
+"""Byte budgets on real daemon processes: the bytes the daemon's files take (``st_blocks`` of
+every file under the state directory and the shm directory, measured here, never read from the
+daemon) stay within ``[engine.budget]`` whatever layouts clients attach; a huge Attach is
+refused while another tenant keeps committing; a tenant's ``reserved`` bytes keep its hot
+prefixes while another tenant hammers; Status, Stats and the metrics show the budgets."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import subprocess
+import tempfile
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from prefixd.api import prefixd_pb2 as pb
+from tests.daemon.harness import DaemonProcess, start_daemon
+from tests.requires import missing
+
+MiB = 1 << 20
+
+BUDGET_CONFIG = """
+[engine]
+sync = "commit"
+shm_dir = "{shm}"
+
+[engine.budget]
+device = "32MiB"
+host = "64MiB"
+disk = "256MiB"
+
+[[engine.tenants]]
+name = "alpha"
+salt = "alpha"
+{alpha_quota}
+
+[[engine.tenants]]
+name = "beta"
+salt = "beta"
+
+[daemon]
+lease_s = {lease_s}
+"""
+
+
+def config(alpha_quota: str = "") -> str:
+    return BUDGET_CONFIG.replace("{alpha_quota}", alpha_quota)
+
+
+def layout(model: str, *, layers=1, heads=1, head_dim=8, block_size=4, dtype="float16") -> pb.KVLayout:
+    return pb.KVLayout(model_id=model, num_layers=layers, num_kv_heads=heads, head_dim=head_dim,
+                       dtype=dtype, block_size=block_size)
+
+
+def block_bytes(lay: pb.KVLayout) -> int:
+    item = {"float16": 2, "bfloat16": 2, "float32": 4}[lay.dtype]
+    return lay.num_layers * 2 * lay.block_size * lay.num_kv_heads * lay.head_dim * item
+
+
+def beta_socket(d) -> str:
+    return os.path.join(os.path.dirname(d.socket), "beta.sock")
+
+
+def taken(path: str) -> int:
+    """What every file under ``path`` takes on its filesystem (``st_blocks``)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except FileNotFoundError:  # a file replaced while we walk (a checkpoint's temp)
+                pass
+    return total
+
+
+def prompt(i: int, num_blocks: int, bs: int) -> bytes:
+    return np.arange(10_000 * i, 10_000 * i + num_blocks * bs + 1, dtype="<i4").tobytes()
+
+
+def store(stub, sid: int, tokens: bytes, durability: str = "crash") -> None:
+    seq = stub.Open(pb.OpenRequest(session_id=sid, tokens=tokens)).sequence
+    stub.Commit(pb.CommitRequest(session_id=sid, seq_id=seq.seq_id, durability=durability))
+    stub.Release(pb.ReleaseRequest(session_id=sid, seq_id=seq.seq_id))
+
+
+def attach(stub, lay: pb.KVLayout, max_model_len: int = 0) -> int:
+    return stub.Attach(pb.AttachRequest(client_name="budget-test", layout=lay,
+                                        max_model_len=max_model_len), timeout=60).session_id
+
+
+@contextlib.contextmanager
+def tmpfs_base(size: int):
+    """A short base directory whose ``state`` is a tmpfs of ``size`` bytes (root only)."""
+    if os.geteuid() != 0:
+        missing("mounting a small tmpfs on the state directory needs root")
+    base = tempfile.mkdtemp(prefix="pd-bud-", dir="/tmp")
+    state = os.path.join(base, "state")
+    os.makedirs(state)
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", state],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        missing(f"cannot mount a tmpfs here: {out.stderr.strip() or out.returncode}")
+    try:
+        yield base
+    finally:
+        if subprocess.run(["umount", state], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", state], capture_output=True)
+        subprocess.run(["rm", "-rf", base], capture_output=True)
+
+
+def test_status_stats_and_metrics_show_each_tiers_budget_and_bytes_by_tenant():
+    with start_daemon(config(), lease_s=600.0) as d:
+        stub = d.stub()
+        sid = attach(stub, layout("shown"))
+        for i in range(4):
+            store(stub, sid, prompt(i, 8, 4))
+        status = stub.Status(pb.StatusRequest())
+        budgets = {b.tier: b for b in status.budgets}
+        assert [b.tier for b in status.budgets] == ["device", "host", "disk"]
+        assert budgets["device"].budget_bytes == 32 * MiB and budgets["disk"].budget_bytes == 256 * MiB
+        assert budgets["disk"].log_reserve_bytes == 64 * MiB
+        for b in status.budgets:  # alpha's pool holds its first extent in every tier
+            assert 0 < b.tenant_used_bytes == b.used_bytes <= b.budget_bytes
+        values = dict(stub.Stats(pb.StatsRequest()).values)
+        assert values['prefixd_budget_bytes{tier="host"}'] == 64 * MiB
+        assert values['prefixd_used_bytes{tier="host"}'] == budgets["host"].used_bytes
+        beta = d.stub(beta_socket(d))
+        beta_values = dict(beta.Stats(pb.StatsRequest()).values)
+        assert beta_values.get('prefixd_used_bytes{tier="host"}', 0) == 0  # alpha's are not beta's
+
+
+def test_a_huge_attach_is_refused_while_the_other_tenant_keeps_committing():
+    """Beta's layouts grow until refused (8 MiB blocks and a 4k-token max_model_len cannot fit
+    a 32 MiB device budget); alpha commits all along, every commit succeeds and stays a hit;
+    the files stay within the budgets; SIGTERM exits 0 (the harness checks)."""
+    with tmpfs_base(384 * MiB) as base, DaemonProcess(config(), base=base, lease_s=600.0).start() as d:
+        alpha, beta = d.stub(), d.stub(beta_socket(d))
+        sid = attach(alpha, layout("steady"))
+        stop, done, failures = threading.Event(), [], []
+
+        def commit_loop():
+            i = 0
+            while not stop.is_set() or i < 20:
+                try:
+                    store(alpha, sid, prompt(i, 8, 4))
+                    done.append(i)
+                except grpc.RpcError as exc:  # noqa: PERF203 - a failure is the finding
+                    failures.append((i, exc.code(), exc.details()))
+                    return
+                i += 1
+
+        thread = threading.Thread(target=commit_loop)
+        thread.start()
+        refused = None
+        try:
+            for layers in (1, 4, 16, 32, 64):  # 64 KiB .. 8 MiB blocks
+                lay = layout(f"huge-{layers}", layers=layers, heads=8, head_dim=128, block_size=16)
+                try:
+                    attach(beta, lay, max_model_len=4096)
+                except grpc.RpcError as exc:
+                    refused = (block_bytes(lay), exc)
+                    break
+        finally:
+            stop.set()
+            thread.join()
+        assert refused is not None, "no layout was refused"
+        nbytes, exc = refused
+        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "[engine.budget] device" in exc.details() and "holds" in exc.details(), exc.details()
+        assert nbytes <= 8 * MiB
+        assert not failures, failures
+        for i in done:
+            assert alpha.Lookup(pb.LookupRequest(session_id=sid, tokens=prompt(i, 8, 4))).cached_tokens == 32
+        assert taken(d.state_dir) <= 256 * MiB
+        assert taken(d.shm_dir) <= (32 + 64) * MiB
+
+
+def test_random_layouts_keep_every_file_within_the_budgets():
+    """A few hundred Attach / Open / WriteKV / Commit calls of two tenants with random layouts
+    (blocks of 512 B to 8 MiB); at every sample the files take no more than the budgets."""
+    rng = random.Random(35)
+    samples, refusals, stored = [], 0, 0
+    with start_daemon(config(), lease_s=600.0) as d:  # raw stubs send no KeepAlive
+        stubs = [d.stub(), d.stub(beta_socket(d))]
+        sessions: list[tuple] = []
+        for call in range(300):
+            if not sessions or rng.random() < 0.1:
+                bs = rng.choice((4, 16, 64))
+                heads, head_dim = rng.choice(((1, 16), (2, 64), (8, 128)))
+                layers = rng.choice((1, 2, 8, 32))
+                lay = layout(f"r{call}", layers=layers, heads=heads, head_dim=head_dim, block_size=bs)
+                if not 512 <= block_bytes(lay) <= 8 * MiB:
+                    continue
+                stub = rng.choice(stubs)
+                try:
+                    sessions.append((stub, attach(stub, lay, max_model_len=bs * 4), lay))
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details()
+                    refusals += 1
+            else:
+                stub, sid, lay = rng.choice(sessions)
+                tokens = prompt(rng.randrange(1000), rng.randrange(1, 5), lay.block_size)
+                try:
+                    seq = stub.Open(pb.OpenRequest(session_id=sid, tokens=tokens)).sequence
+                    n, start = lay.block_size, seq.cached_tokens  # one block past the hit
+                    if start + n < len(tokens) // 4:
+                        shape = [lay.num_layers, 2, n, lay.num_kv_heads, lay.head_dim]
+                        data = np.full(shape, call % 7, "<f2").tobytes()
+                        chunk = pb.KVChunk(seq_id=seq.seq_id, start=start, num_tokens=n,
+                                           shape=shape, dtype="float16", data=data)
+                        stub.WriteKV(iter([pb.WriteKVRequest(session_id=sid, chunk=chunk)]), timeout=60)
+                    stub.Commit(pb.CommitRequest(session_id=sid, seq_id=seq.seq_id, durability="crash"))
+                    stub.Release(pb.ReleaseRequest(session_id=sid, seq_id=seq.seq_id))
+                    stored += 1
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details()
+            if call % 5 == 0:
+                samples.append((taken(d.state_dir), taken(d.shm_dir)))
+        samples.append((taken(d.state_dir), taken(d.shm_dir)))
+    assert len(samples) >= 50 and stored >= 100, (len(samples), stored, refusals)
+    worst_disk, worst_shm = max(s for s, _ in samples), max(m for _, m in samples)
+    assert worst_disk <= 256 * MiB, samples
+    assert worst_shm <= (32 + 64) * MiB, samples
+    assert worst_shm > 32 * MiB  # the positive control: the budgets were reached, not idled under
+
+
+def test_reserved_bytes_keep_a_tenants_hot_prefixes_while_another_hammers():
+    """Alpha reserves 16 MiB of device and host; beta commits ten times its budgets' worth of
+    new prefixes; alpha's hot prefixes stay full hits throughout (without the reservation
+    beta's newer blocks evict them: the control)."""
+    quota = 'reserved = { device = "16MiB", host = "16MiB" }'
+    for reserved, want_hits in ((quota, True), ("", False)):
+        with start_daemon(config(reserved), lease_s=600.0) as d:
+            alpha, beta = d.stub(), d.stub(beta_socket(d))
+            lay = layout("hot", layers=4, heads=8, head_dim=64)  # 16 KiB blocks
+            a_sid, b_sid = attach(alpha, lay), attach(beta, lay)
+            hot = [prompt(i, 16, 4) for i in range(8)]  # 8 x 256 KiB: 2 MiB of hot prefixes
+            for tokens in hot:
+                store(alpha, a_sid, tokens)
+            hits = total = 0
+            for i in range(64 * 16):  # 64 x 16 x 256 KiB: 256 MiB, ten times device + host budgets
+                store(beta, b_sid, prompt(100 + i, 16, 4))
+                if i % 32 == 31:
+                    for tokens in hot:
+                        total += 64
+                        hits += alpha.Lookup(pb.LookupRequest(session_id=a_sid,
+                                                              tokens=tokens)).cached_tokens
+                        store(alpha, a_sid, tokens)  # alpha keeps using them
+        if want_hits:
+            assert hits == total, (hits, total)
+        else:
+            assert hits < total, "the control: without a reservation beta evicts alpha's blocks"
+
+
+@pytest.mark.parametrize("huge", [True])
+def test_a_block_above_max_block_bytes_is_refused_naming_the_limit(huge):
+    text = config() + "\n[daemon.limits]\nmax_block_bytes = 1048576\n"
+    with start_daemon(text) as d:
+        lay = layout("big-block", layers=32, heads=8, head_dim=128, block_size=16)  # 2 MiB
+        with pytest.raises(grpc.RpcError) as err:
+            attach(d.stub(), lay)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "[daemon.limits] max_block_bytes = 1048576" in err.value.details()
