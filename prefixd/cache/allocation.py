@@ -89,7 +89,9 @@ class Allocation:
         return n <= self.device.num_free or n <= self.available(path)
 
     def ensure_room(self, n: int, path=()) -> None:
-        """Like ``can_allocate``, for a request: raises instead of answering ``False``.
+        """Like ``can_allocate``, for a request: raises instead of answering ``False``. Short
+        of room in this pool, the engine's ``on_tier_full`` first evicts other pools' coldest
+        blocks of the device tier's budget (nothing of this pool changes either way).
 
         Raises:
             OutOfBlocks: naming the need and what could be had; nothing was changed.
@@ -98,6 +100,12 @@ class Allocation:
         if n > free:
             tree = self.tree  # ``available(path)``, with the free count at hand
             available = free + tree.num_blocks_in[DEVICE] - tree.pinned_device_blocks(path)
+            if n > available and self.cache.on_tier_full is not None:
+                # the tier's budget may be held by other pools: their coldest blocks go, never
+                # this pool's (what it could evict is counted already)
+                self.cache.on_tier_full(DEVICE, n - available, others_only=True)
+                free = self.device.num_free
+                available = free + tree.num_blocks_in[DEVICE] - tree.pinned_device_blocks(path)
             if n > available:
                 raise OutOfBlocks(n, available)
 

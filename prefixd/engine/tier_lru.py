@@ -116,14 +116,17 @@ class TierLRU:
         self.cross_pool = [0, 0, 0]
         self.bytes_freed = [0, 0, 0]
 
-    def make_room(self, key, tier: int, num_blocks: int) -> bool:
+    def make_room(self, key, tier: int, num_blocks: int, others_only: bool = False) -> bool:
         """Make the ledger of ``tier`` able to take ``num_blocks`` more blocks of pool ``key``
         (see the module docstring). Returns whether the charge fits now (or the asking pool
-        evicted its own blocks, whose slots it reuses)."""
+        evicted its own blocks, whose slots it reuses). ``others_only``: never the asking
+        pool's blocks (it counted what it could evict itself already)."""
         pools = dict(self.pools())
         me = pools.get(key)
         if me is None:
             return False
+        if others_only:
+            del pools[key]
         return self._make_room(pools, key, me.tenant, tier, num_blocks * me.block_bytes, num_blocks)
 
     def make_room_bytes(self, tenant: str, tier: int, nbytes: int) -> bool:
@@ -134,7 +137,7 @@ class TierLRU:
     def _make_room(self, pools: dict, key, tenant: str, tier: int, need: int, num_blocks: int) -> bool:
         if self._busy:
             return False
-        me = pools.get(key)
+        me = pools.get(key)  # None: a pool not made yet, or one that gives nothing itself
         ledger = self.ledgers[TIER_NAMES[tier]]
         self._busy = True
         try:

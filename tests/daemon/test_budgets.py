@@ -228,32 +228,57 @@ def test_random_layouts_keep_every_file_within_the_budgets():
     assert worst_shm > 32 * MiB  # the positive control: the budgets were reached, not idled under
 
 
+QUOTA_CONFIG = """
+[engine]
+sync = "commit"
+shm_dir = "{shm}"
+
+[engine.budget]
+device = "16MiB"
+host = "16MiB"
+disk = "80MiB"             # 64 MiB of it the log's room: 16 MiB for pools
+
+[[engine.tenants]]
+name = "alpha"
+salt = "alpha"
+RESERVED
+
+[[engine.tenants]]
+name = "beta"
+salt = "beta"
+
+[daemon]
+lease_s = {lease_s}
+"""
+
+
 def test_reserved_bytes_keep_a_tenants_hot_prefixes_while_another_hammers():
-    """Alpha reserves 16 MiB of device and host; beta commits ten times its budgets' worth of
-    new prefixes; alpha's hot prefixes stay full hits throughout (without the reservation
-    beta's newer blocks evict them: the control)."""
-    quota = 'reserved = { device = "16MiB", host = "16MiB" }'
-    for reserved, want_hits in ((quota, True), ("", False)):
-        with start_daemon(config(reserved), lease_s=600.0) as d:
+    """Alpha reserves 8 MiB of each tier for 4 MiB of hot prefixes; beta commits ten times the
+    48 MiB of the budgets in new prefixes, and between two of alpha's uses more than all of
+    them; alpha's hot prefixes stay full hits. The control, without the reservation: beta's
+    newer blocks evict them."""
+    reserved = 'reserved = {{ device = "8MiB", host = "8MiB", disk = "8MiB" }}'  # a format template
+    lay = layout("hot", layers=4, heads=8, head_dim=64, block_size=16)  # 128 KiB blocks
+    for quota, want_all in ((reserved, True), ("", False)):
+        with start_daemon(QUOTA_CONFIG.replace("RESERVED", quota), lease_s=600.0) as d:
             alpha, beta = d.stub(), d.stub(beta_socket(d))
-            lay = layout("hot", layers=4, heads=8, head_dim=64)  # 16 KiB blocks
             a_sid, b_sid = attach(alpha, lay), attach(beta, lay)
-            hot = [prompt(i, 16, 4) for i in range(8)]  # 8 x 256 KiB: 2 MiB of hot prefixes
+            hot = [prompt(i, 16, 16) for i in range(2)]  # 2 x 2 MiB
             for tokens in hot:
                 store(alpha, a_sid, tokens)
             hits = total = 0
-            for i in range(64 * 16):  # 64 x 16 x 256 KiB: 256 MiB, ten times device + host budgets
-                store(beta, b_sid, prompt(100 + i, 16, 4))
-                if i % 32 == 31:
+            for i in range(240):  # 240 x 2 MiB = 480 MiB: ten times the budgets
+                store(beta, b_sid, prompt(100 + i, 16, 16))
+                if i % 30 == 29:  # 60 MiB of beta's since alpha's last use: more than every tier
                     for tokens in hot:
-                        total += 64
+                        total += 256
                         hits += alpha.Lookup(pb.LookupRequest(session_id=a_sid,
                                                               tokens=tokens)).cached_tokens
-                        store(alpha, a_sid, tokens)  # alpha keeps using them
-        if want_hits:
+                        store(alpha, a_sid, tokens)  # alpha uses them again
+        if want_all:
             assert hits == total, (hits, total)
         else:
-            assert hits < total, "the control: without a reservation beta evicts alpha's blocks"
+            assert hits < total / 2, ("the control: without a reservation beta evicts them", hits)
 
 
 @pytest.mark.parametrize("huge", [True])

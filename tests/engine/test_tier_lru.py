@@ -155,3 +155,13 @@ def test_eviction_keys_of_real_pools_compare_across_pools(engine):
     newest_a = max(node.last_access for node in a.cache.tree.queues[0].live_nodes())
     assert newest_a > max(node.last_access for node in b.cache.tree.queues[0].live_nodes())
     engine.check_invariants()
+
+
+def test_others_only_never_takes_the_asking_pools_blocks():
+    """What a request's pool could evict itself is counted before it asks; then only other
+    pools give, even when its own block is the coldest."""
+    ledger = BudgetLedger("host", 4 * MiB)
+    asker = Pool(ledger, "t", 1 * MiB, [1, 2])
+    other = Pool(ledger, "t", 1 * MiB, [5, 6])
+    assert lru(ledger, {"a": asker, "o": other}).make_room("a", HOST, 1, others_only=True)
+    assert not asker.asked and other.asked
