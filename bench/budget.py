@@ -2,7 +2,8 @@
 
 Prints one JSON object. Three KV layouts (three models: blocks of 2, 4 and 8 KiB) share one
 daemon's budgets; each gets gsp requests (its own seed), the 4 KiB layout 70% of them (hot) and
-the two others 15% each (cold), interleaved at random. Each request: ``open`` the prompt,
+the two others 15% each (cold), interleaved at random; the hot layout's requests share 48 system
+prompts, each cold layout's 4 (``GROUPS``). Each request: ``open`` the prompt,
 ``extend`` by the output (less its last token, as ``bench/engine.py``), ``commit`` at ``crash``,
 ``release``; no KV is written (hit rates need none). ``sync="none"``, no disk tier: the numbers
 are the cache's choices, not the disk's speed.
@@ -51,12 +52,17 @@ HOT = KVLayout("bench-hot", num_layers=1, num_kv_heads=2, head_dim=32, dtype="fl
 COLD = (KVLayout("bench-cold-a", num_layers=1, num_kv_heads=1, head_dim=32, dtype="float16", block_size=BS),
         KVLayout("bench-cold-b", num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16", block_size=BS))
 SHARES = ((HOT, 0.70), (COLD[0], 0.15), (COLD[1], 0.15))
+# system prompts per layout: the hot model serves many (48 x 2,048 tokens: 24 MiB of shared
+# prefixes at 4 KiB blocks, more than a third of the budgets), each cold one a few (4: 1 and
+# 4 MiB), as a host with one busy model and two idle ones sees
+GROUPS = {HOT: 64, COLD[0]: 64, COLD[1]: 64}
 
 
 def workload(num_requests: int, seed: int = 35) -> list[tuple[KVLayout, object]]:
     """``(layout, request)`` pairs: each layout's own gsp stream, drawn by its share."""
     rng = random.Random(seed)
-    streams = {lay: iter(gsp(num_groups=16, prompts_per_group=256, seed=i))
+    streams = {lay: iter(gsp(num_groups=GROUPS[lay], prompts_per_group=num_requests // GROUPS[lay] + 1,
+                             seed=i))
                for i, (lay, _) in enumerate(SHARES)}
     layouts, weights = zip(*SHARES)
     return [(lay, next(streams[lay])) for lay in rng.choices(layouts, weights, k=num_requests)]

@@ -64,13 +64,15 @@ class Allocation:
         ``n`` (``open``, ``extend``): evict, retry, and ask the engine once for quarantined
         slots; ``None`` when they cannot be had."""
         alloc = self.allocators[tier]
+        short = n - alloc.num_free
         on_tier_full = self.cache.on_tier_full
         if on_tier_full is not None:  # the engine: one LRU across the pools of the tier
             on_tier_full(tier, n)
             slots = alloc.allocate(n)
             if slots is not None:
                 return slots
-        self.evict(tier, n - alloc.num_free)
+            short = max(short, n)  # the budget refused bytes: its own blocks' slots make room
+        self.evict(tier, short)
         slots = alloc.allocate(n)
         if slots is None and alloc.num_deferred and self.cache.on_deferred_shortage is not None:
             self.cache.on_deferred_shortage()

@@ -355,13 +355,10 @@ class DurableCache:
         return pos
 
     @poison_on_storage_error
-    def give_room(self, tier: int, num_blocks: int) -> int:
-        """Evict at least ``num_blocks`` of the coldest evictable blocks of ``tier`` (demoting
-        as the eviction policy does), log the drops, make them durable so their slots are
-        released, and give back the extents left idle: another pool of the tier needs the
-        bytes (``prefixd.engine.tier_lru``). Returns the bytes given back."""
-        if not self.cache.evict(num_blocks, tier):
-            return 0
+    def settle_room(self, tier: int) -> int:
+        """After evictions another pool of the tier asked for (``prefixd.engine.tier_lru``):
+        log the drops, make them durable so their slots are released, and give back the
+        extents left idle. Returns the bytes given back to the tier's budget."""
         self._log()
         if tier != DEVICE:
             self.upkeep.force_release()

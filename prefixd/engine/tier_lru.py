@@ -1,28 +1,31 @@
 """One LRU across the pools of a tier: when a tier's byte budget is full, the least recently
 used evictable blocks of that tier go first, whichever pool (tenant x layout) holds them.
 
-Every pool of a tier is charged in one ``BudgetLedger`` (``prefixd.engine.budgets``). A pool
-that needs ``n`` more blocks in a tier whose budget is full asks ``TierLRU.make_room`` (its
-cache's ``on_tier_full``), which, until the ledger can take the pool's charge:
+Every pool of a tier is charged in one ``BudgetLedger`` (``prefixd.engine.budgets``), per 2 MiB
+extent of its sparse files. A pool that needs ``n`` more blocks in a tier whose budget is full
+asks ``TierLRU.make_room`` (its cache's ``on_tier_full``), which, until the ledger can take the
+pool's charge, runs rounds of:
 
-1. picks the victim pool: among the tier's pools whose blocks the ledger lets go for this
-   tenant (its own always; another tenant's only above its ``reserved``; only its own when it
-   is at its ``max``), the one whose coldest evictable block has the smallest eviction key;
-2. has it give room (``RoomPool.give_room``): the victim evicts (demotes, as its policy does)
-   its coldest blocks through its own eviction path, so its log records and refcounts stay
-   right, makes those drops durable, and gives back the extents left idle; the bytes come
-   back to the ledger extent by extent;
-3. when the coldest pool is the asking one, it evicts its own blocks and stops: their slots
-   sit in extents it holds, so its retry takes them without a new charge.
+1. evict in one LRU order across pools: of the tier's pools whose blocks the ledger lets go for
+   this tenant (its own always; another tenant's only above its ``reserved``; only its own when
+   it is at its ``max``), the one whose coldest evictable run (radix node: blocks that share an
+   access time) has the smallest eviction key evicts its runs colder than the runner-up pool's
+   coldest, through its own eviction path (demoting as its policy does, so its log records and
+   refcounts stay right: ``RoomPool.evict_coldest``), and again, until the round's bytes are
+   evicted (the unit is the run, charged in bytes: a 4 MiB block pays 4 MiB);
+2. settle: each other pool that evicted makes the drops durable and gives back the extents
+   left idle (``RoomPool.settle``); bytes come back to the ledger extent by extent.
 
-The unit is a batch: the victim gives ``max(shortfall, BATCH_BYTES)`` bytes' worth of its own
-blocks, then the choice is made again. One block at a time would make each step pay a log
-fsync in the victim; a batch bounds that to one per ``BATCH_BYTES``, and is fine grain
-against budgets of hundreds of MiB. Eviction keys compare across pools because every pool's
-logical clock follows one ``SharedClock``.
+The asking pool's own evictions are not settled (it is mid-operation): their slots, in extents
+it holds, are what its retry takes. A victim whose evictions gave no bytes back (its freed
+slots sit in extents still in use) is spared for the rest of the call while the asking pool has
+blocks of its own to recycle; a pool with none (or a pool being made) needs bytes, so rounds
+then evict twice as much each time, until an extent empties. Over time a pool's blocks move to
+its low extents (its allocator fills them first) and its high ones empty and are given back.
 
-Nested calls (an eviction in the victim that needs room in a lower tier) do not pick victims
-again: they return at once and that pool falls back to its own eviction.
+Eviction keys compare across pools because every pool's logical clock follows one
+``SharedClock``. Nested calls (a demotion in a victim that needs room in a lower tier) do not
+choose again: they return at once and that pool evicts its own blocks.
 """
 
 from __future__ import annotations
@@ -35,8 +38,7 @@ from prefixd.storage.budget_ledger import BudgetLedger
 
 log = logging.getLogger(__name__)
 
-BATCH_BYTES = 4 << 20  # two 2 MiB extents: see the module docstring
-MAX_ROUNDS = 64  # victims asked per make_room at most (each frees a batch or stops the loop)
+MAX_ROUNDS = 8  # rounds per make_room: the last evicts up to 2**7 times the shortfall
 
 
 class SharedClock:
@@ -65,11 +67,15 @@ class RoomPool(Protocol):
     block_bytes: int
 
     def coldest_key(self, tier: int):
-        """The eviction key of the pool's coldest evictable block in ``tier``; None if none."""
+        """The eviction key of the pool's coldest evictable run in ``tier``; None if none."""
 
-    def give_room(self, tier: int, num_blocks: int, own: bool) -> int:
-        """Evict at least ``num_blocks`` of its coldest blocks of ``tier``; returns the bytes
-        given back to the ledger (``own``: the asking pool, mid-operation: evict only)."""
+    def evict_coldest(self, tier: int, limit, max_blocks: int) -> int:
+        """Evict its coldest runs of ``tier`` while their key is at most ``limit`` (None: no
+        limit; the first run goes whatever its key), up to ``max_blocks`` blocks (a run goes
+        whole); returns the blocks evicted."""
+
+    def settle(self, tier: int) -> int:
+        """Make its evictions durable and give back its idle extents; returns the bytes."""
 
 
 class PoolRoom:
@@ -89,11 +95,24 @@ class PoolRoom:
         node = queue.peek()
         return None if node is None else queue.policy.key(node)
 
-    def give_room(self, tier: int, num_blocks: int, own: bool) -> int:
-        if own:  # mid-operation: its own log step records the drops
-            self.dc.cache.evict(num_blocks, tier)
-            return 0
-        return self.dc.give_room(tier, num_blocks)
+    def evict_coldest(self, tier: int, limit, max_blocks: int) -> int:
+        cache = self.dc.cache
+        queue = cache.tree.queues[tier]
+        key = queue.policy.key
+        runs, freed = [], 0
+        while freed < max_blocks:
+            node = queue.peek()
+            if node is None or (runs and limit is not None and key(node) > limit):
+                break
+            n = cache.evict(1, tier)
+            if not n:
+                break
+            runs.append(node)
+            freed += n
+        return freed
+
+    def settle(self, tier: int) -> int:
+        return self.dc.settle_room(tier)
 
 
 class TierLRU:
@@ -103,8 +122,8 @@ class TierLRU:
         ledgers: the tier's ledger by tier name (``Budgets.ledgers``).
         pools: returns every open pool as ``(key, RoomPool)`` (the engine's pools, now).
 
-    Counters: ``rounds[tier]`` victims asked, ``cross_pool[tier]`` of them another pool than
-    the asking one, ``bytes_freed[tier]`` bytes given back by other pools.
+    Counters: ``rounds[tier]`` evictions asked, ``cross_pool[tier]`` settles of another pool
+    than the asking one, ``bytes_freed[tier]`` bytes they gave back.
     """
 
     def __init__(self, ledgers: dict[str, BudgetLedger],
@@ -137,46 +156,73 @@ class TierLRU:
     def _make_room(self, pools: dict, key, tenant: str, tier: int, need: int, num_blocks: int) -> bool:
         if self._busy:
             return False
-        me = pools.get(key)  # None: a pool not made yet, or one that gives nothing itself
         ledger = self.ledgers[TIER_NAMES[tier]]
         self._busy = True
         try:
+            target, own = need, 0
+            me = pools.get(key)  # None: a pool not made yet (or one that gives nothing itself)
             for _ in range(MAX_ROUNDS):
                 short = ledger.shortfall(tenant, need)
                 if short.total_bytes <= 0:
                     return True
-                victim_key = self.victim(pools, tenant, tier, short.own_bytes > 0)
-                if victim_key is None:
-                    return False
-                self.rounds[tier] += 1
-                if victim_key == key:
-                    me.give_room(tier, num_blocks, True)
-                    return True
-                victim = pools[victim_key]
-                want = max(short.total_bytes, BATCH_BYTES)
-                if victim.tenant != tenant and not ledger.may_evict(victim.tenant, want, tenant):
-                    want = victim.block_bytes  # what is left above its reservation: a block at a time
-                freed = victim.give_room(tier, -(-want // victim.block_bytes), False)
-                self.cross_pool[tier] += 1
-                self.bytes_freed[tier] += freed
-            return ledger.can_charge(tenant, need)
+                goal = max(short.total_bytes, target)
+                evicted, touched = 0, []
+                while evicted < goal:
+                    pick = self.victim(pools, tenant, tier, short.own_bytes > 0)
+                    if pick is None:
+                        break
+                    victim_key, limit = pick
+                    pool = pools[victim_key]
+                    n = -(-(goal - evicted) // pool.block_bytes)
+                    while pool.tenant != tenant and n > 1 and not ledger.may_evict(
+                            pool.tenant, n * pool.block_bytes, tenant):
+                        n //= 2  # what is left above its reservation
+                    n = pool.evict_coldest(tier, limit, n)
+                    if not n:
+                        break
+                    self.rounds[tier] += 1
+                    evicted += n * pool.block_bytes
+                    if victim_key == key:
+                        own += n
+                    elif victim_key not in touched:
+                        touched.append(victim_key)
+                if own >= num_blocks > 0:
+                    return True  # its own slots, in extents it holds, are enough
+                recycles = me is not None and me.coldest_key(tier) is not None
+                for victim_key in touched:
+                    self.cross_pool[tier] += 1
+                    freed = pools[victim_key].settle(tier)
+                    self.bytes_freed[tier] += freed
+                    if not freed and recycles:  # spared from here on: see the module docstring
+                        pools = {k: v for k, v in pools.items() if k != victim_key}
+                if not evicted:
+                    break
+                target *= 2
+            return own > 0 or ledger.can_charge(tenant, need)
         finally:
             self._busy = False
 
     def victim(self, pools: dict, tenant: str, tier: int, own_only: bool):
-        """The key of the pool whose coldest evictable block of ``tier`` goes first for
-        ``tenant``: its own pools only when ``own_only`` (it is at its max), else every pool
-        whose tenant the ledger lets give a block up; None when none has one."""
+        """``(key, limit)``: the pool whose coldest evictable run of ``tier`` goes first for
+        ``tenant`` (its own pools only when ``own_only``: it is at its max; else every pool
+        whose tenant the ledger lets give a block up), and the coldest key of the runner-up
+        (None: no other); None when no pool has a run to give."""
         ledger = self.ledgers[TIER_NAMES[tier]]
-        best, best_key = None, None
+        best = second = None  # (eviction key, pool key)
         for pool_key, pool in pools.items():
             if pool.tenant != tenant and (own_only or not ledger.may_evict(
                     pool.tenant, pool.block_bytes, tenant)):
                 continue
             cold = pool.coldest_key(tier)
-            if cold is not None and (best_key is None or cold < best_key):
-                best, best_key = pool_key, cold
-        return best
+            if cold is None:
+                continue
+            if best is None or cold < best[0]:
+                best, second = (cold, pool_key), best
+            elif second is None or cold < second[0]:
+                second = (cold, pool_key)
+        if best is None:
+            return None
+        return best[1], None if second is None else second[0]
 
     def counters(self) -> dict:
         return {"rounds": list(self.rounds), "cross_pool": list(self.cross_pool),

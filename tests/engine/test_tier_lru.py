@@ -7,7 +7,7 @@ import pytest
 from prefixd.api.layout import KVLayout
 from prefixd.config import EngineConfig, Tenant, TierSizes
 from prefixd.engine import Engine
-from prefixd.engine.tier_lru import BATCH_BYTES, TierLRU
+from prefixd.engine.tier_lru import TierLRU
 from prefixd.storage.budget_ledger import BudgetLedger
 
 HOST = 1
@@ -15,52 +15,76 @@ MiB = 1 << 20
 
 
 class Pool:
-    """A pool of ``block_bytes`` blocks with eviction keys ``keys``, each block charged."""
+    """A pool of ``block_bytes`` blocks, one run each, with eviction keys ``keys``, each block
+    charged; settling gives back the bytes of what it evicted."""
 
     def __init__(self, ledger, tenant, block_bytes, keys):
         self.ledger, self.tenant, self.block_bytes = ledger, tenant, block_bytes
         self.keys = sorted(keys)
-        self.asked = []
+        self.evicted = []  # keys evicted, in order
+        self.unsettled = 0
         ledger.charge(tenant, block_bytes * len(self.keys))
 
     def coldest_key(self, tier):
         return self.keys[0] if self.keys else None
 
-    def give_room(self, tier, num_blocks, own):
-        self.asked.append((num_blocks, own))
-        gone, self.keys = self.keys[:num_blocks], self.keys[num_blocks:]
-        if own:
-            return 0
-        self.ledger.release(self.tenant, len(gone) * self.block_bytes)
-        return len(gone) * self.block_bytes
+    def evict_coldest(self, tier, limit, max_blocks):
+        n = 0
+        while self.keys and n < max_blocks and (not n or limit is None or self.keys[0] <= limit):
+            self.evicted.append(self.keys.pop(0))
+            n += 1
+        self.unsettled += n
+        return n
+
+    def settle(self, tier):
+        nbytes, self.unsettled = self.unsettled * self.block_bytes, 0
+        self.ledger.release(self.tenant, nbytes)
+        return nbytes
 
 
 def lru(ledger, pools):
     return TierLRU({"device": ledger, "host": ledger, "disk": ledger}, lambda: pools.items())
 
 
-def test_the_coldest_block_of_any_pool_goes_first_charged_in_bytes():
+def test_the_coldest_blocks_of_any_pool_go_first_charged_in_bytes():
+    """Blocks go in one LRU order across pools; the shortfall is counted in bytes, so the
+    4 MiB blocks of one pool pay for two of the 2 MiB blocks asked."""
     ledger = BudgetLedger("host", 64 * MiB)
-    big = Pool(ledger, "t", 4 * MiB, [10, 11, 12, 13, 14, 15, 16, 17])  # 32 MiB, old
-    small = Pool(ledger, "t", 1 * MiB, range(20, 52))  # 32 MiB, newer: the budget is full
+    big = Pool(ledger, "t", 4 * MiB, [10, 12, 14, 16, 30, 31, 32, 33])  # 32 MiB
+    small = Pool(ledger, "t", 1 * MiB, [11, 13] + list(range(40, 70)))  # 32 MiB: the budget is full
     asker = Pool(ledger, "t", 2 * MiB, [])
     pools = {"big": big, "small": small, "asker": asker}
-    assert lru(ledger, pools).make_room("asker", HOST, 3)  # 6 MiB: the 4 MiB blocks of big pay
-    assert big.asked == [(2, False)] and not small.asked  # 6 MiB in whole 4 MiB blocks
+    assert lru(ledger, pools).make_room("asker", HOST, 3)  # 6 MiB
+    assert big.evicted == [10, 12] and small.evicted == [11]  # 4 + 1 + 4 MiB, oldest first
     assert ledger.can_charge("t", 6 * MiB)
-    # now small's blocks are the oldest left: it gives the next room
-    ledger.charge("t", 8 * MiB)  # the asker took it all: the budget is full again
-    big.keys = [100]
-    assert lru(ledger, pools).make_room("asker", HOST, 1)
-    assert small.asked == [(BATCH_BYTES // MiB, False)]  # a 2 MiB shortfall: one batch
 
 
-def test_the_asking_pool_evicts_its_own_when_its_block_is_the_coldest():
+def test_a_round_that_frees_too_little_evicts_more_in_the_next():
+    """Evicted blocks give bytes back only when their extent empties: here only a quarter of
+    what a pool evicts comes back, so rounds double until the charge fits."""
+    ledger = BudgetLedger("host", 16 * MiB)
+
+    class Fragmented(Pool):
+        def settle(self, tier):
+            nbytes = self.unsettled * self.block_bytes // 4
+            self.unsettled = 0
+            self.ledger.release(self.tenant, nbytes)
+            return nbytes
+
+    other = Fragmented(ledger, "t", 1 * MiB, range(16))
+    asker = Pool(ledger, "t", 1 * MiB, [])
+    table = lru(ledger, {"other": other, "asker": asker})
+    assert table.make_room("asker", HOST, 2)
+    assert len(other.evicted) >= 8 and table.cross_pool[HOST] >= 2
+
+
+def test_the_asking_pool_evicts_its_own_when_its_blocks_are_the_coldest():
     ledger = BudgetLedger("host", 8 * MiB)
     asker = Pool(ledger, "t", 1 * MiB, [1, 2, 3, 4])
     other = Pool(ledger, "t", 1 * MiB, [5, 6, 7, 8])
     assert lru(ledger, {"a": asker, "o": other}).make_room("a", HOST, 2)
-    assert asker.asked == [(2, True)] and not other.asked
+    assert asker.evicted == [1, 2] and not other.evicted
+    assert asker.unsettled == 2  # mid-operation: its own log step records them
 
 
 def test_a_tenant_at_its_max_evicts_its_own_blocks_even_when_others_are_colder():
@@ -70,7 +94,7 @@ def test_a_tenant_at_its_max_evicts_its_own_blocks_even_when_others_are_colder()
     asker = Pool(ledger, "a", 1 * MiB, [])
     pools = {"mine": mine, "theirs": theirs, "asker": asker}
     assert lru(ledger, pools).make_room("asker", HOST, 1)
-    assert mine.asked and not theirs.asked
+    assert mine.evicted == [50] and not theirs.evicted
 
 
 def test_reserved_bytes_of_another_tenant_are_never_evicted():
@@ -80,8 +104,7 @@ def test_reserved_bytes_of_another_tenant_are_never_evicted():
     asker = Pool(ledger, "b", 1 * MiB, [])
     pools = {"reserved": reserved, "b": b, "asker": asker}
     assert lru(ledger, pools).make_room("asker", HOST, 2)
-    assert not reserved.asked and b.asked
-    assert reserved.keys == [1, 2, 3, 4]
+    assert not reserved.evicted and b.evicted == [10, 11]
     # once nothing but the reservation is left, b is refused: nothing of a's goes
     b.keys = []
     ledger.release("b", ledger.used_by("b"))
@@ -95,8 +118,7 @@ def test_a_tenant_above_its_reservation_gives_only_what_is_above_it():
     a = Pool(ledger, "a", 1 * MiB, [1, 2, 3, 4, 5, 6])  # 2 MiB above its reservation
     asker = Pool(ledger, "b", 1 * MiB, [7, 8])
     assert lru(ledger, {"a": a, "asker": asker}).make_room("asker", HOST, 1)
-    assert a.asked == [(1, False)]  # a block at a time: a batch would cut into the reservation
-    assert ledger.used_by("a") == 5 * MiB
+    assert a.evicted == [1] and ledger.used_by("a") == 5 * MiB
 
 
 def test_nothing_evictable_anywhere_answers_no_and_changes_nothing():
@@ -108,15 +130,15 @@ def test_nothing_evictable_anywhere_answers_no_and_changes_nothing():
     assert ledger.used_bytes == 4 * MiB
 
 
-def test_a_nested_call_does_not_pick_victims_again():
+def test_a_nested_call_does_not_choose_again():
     ledger = BudgetLedger("host", 2 * MiB)
     pools = {}
     table = lru(ledger, pools)
 
     class Nested(Pool):
-        def give_room(self, tier, num_blocks, own):
+        def evict_coldest(self, tier, limit, max_blocks):
             assert table.make_room("asker", tier, 1) is False  # mid-eviction: no second choice
-            return super().give_room(tier, num_blocks, own)
+            return super().evict_coldest(tier, limit, max_blocks)
 
     pools["victim"] = Nested(ledger, "t", 1 * MiB, [1, 2])
     pools["asker"] = Pool(ledger, "t", 1 * MiB, [])
@@ -164,4 +186,4 @@ def test_others_only_never_takes_the_asking_pools_blocks():
     asker = Pool(ledger, "t", 1 * MiB, [1, 2])
     other = Pool(ledger, "t", 1 * MiB, [5, 6])
     assert lru(ledger, {"a": asker, "o": other}).make_room("a", HOST, 1, others_only=True)
-    assert not asker.asked and other.asked
+    assert not asker.evicted and other.evicted == [5]
