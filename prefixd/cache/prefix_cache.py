@@ -345,16 +345,6 @@ class PrefixCache:
         (whole runs, so possibly more); returns how many were freed."""
         return self.allocation.evict(tier, num_blocks)
 
-    def evict_runs(self, nodes, tier: int) -> int:
-        """Evict these runs (nodes of the tree) from ``tier``, skipping any no longer evictable
-        there (``Tiering.evict_runs``); returns the blocks freed."""
-        if self.tiering is None:
-            raise ValueError("a cache of one tier evicts by its queue alone: use evict")
-        freed = self.tiering.evict_runs(tier, nodes)
-        if tier == DEVICE:  # counted as ``Allocation.evict`` counts them
-            self.stats.evicted_blocks += freed
-        return freed
-
     def can_allocate(self, n: int, path=()) -> bool:
         """Whether ``n`` device slots can be had, evicting as needed, with ``path`` (``peek``'s
         pairs of a match about to be locked) pinned too; changes nothing."""

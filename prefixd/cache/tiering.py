@@ -84,19 +84,6 @@ class Tiering:
         self.cache.stats.evicted_by_tier[tier] += freed
         return freed
 
-    def evict_runs(self, tier: int, nodes) -> int:
-        """Evict these runs from ``tier`` as ``evict`` evicts its victims (demoted first where
-        the policy keeps them); a run no longer in the tier's eviction queue (locked, gone,
-        or not a leaf of the tier now) is skipped. Returns the slots freed."""
-        queue, freed = self.tree.queues[tier], 0
-        for node in nodes:
-            if not node.heap_tag[tier]:
-                continue
-            queue.discard(node)
-            freed += self._evict_victim(node, tier)
-        self.cache.stats.evicted_by_tier[tier] += freed
-        return freed
-
     def _evict_victim(self, node: Node, tier: int) -> int:
         """Evict ``node`` (out of the queue already) from ``tier``; returns the slots freed."""
         tree, stats = self.tree, self.cache.stats

@@ -232,6 +232,9 @@ def _pool(add, pool: dict, dc, block_size: int) -> None:
                 "the log is durable)", labels | {"state": state}, n)
         add("prefixd_capacity_blocks", "gauge", "pool size in blocks", labels, alloc.num_slots)
         add("prefixd_free_blocks", "gauge", "free blocks", labels, alloc.num_free)
+        add("prefixd_grow_refusals", "counter", "grows of the tier's pool file refused: its "
+            "budget was full, or the filesystem was (ENOSPC, EDQUOT)", labels,
+            dc.store.grow_refusals(t))
         for name, help_, values in (
                 ("prefixd_evicted_blocks", "blocks evicted from a tier", st.evicted_by_tier),
                 ("prefixd_demoted_blocks", "blocks copied down before their eviction, by the "

@@ -290,3 +290,29 @@ def test_a_block_above_max_block_bytes_is_refused_naming_the_limit(huge):
             attach(d.stub(), lay)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "[daemon.limits] max_block_bytes = 1048576" in err.value.details()
+
+
+def test_a_start_on_a_full_filesystem_exits_1_with_one_line_naming_it_and_the_bytes():
+    """The logs' room (64 MiB of the disk budget) is checked against the free space when the
+    daemon starts: a filesystem filled by another file refuses the start in one line; once
+    the file is gone the same state directory starts."""
+    text = BUDGET_CONFIG.replace("{alpha_quota}", "").replace('disk = "256MiB"', 'disk = "128MiB"')
+    with tmpfs_base(160 * MiB) as base:
+        filler = os.path.join(base, "state", "filler")
+        with open(filler, "wb") as f:
+            f.write(b"\0" * (150 * MiB))
+        daemon = DaemonProcess(text, base=base)
+        daemon.expect_exit(1)  # the refusal is the behaviour under test
+        daemon.expect_log(r"not starting:")
+        try:
+            daemon.start(wait=False)
+            assert daemon.proc.wait(120) == 1
+            log = daemon.log()
+            lines = [line for line in log.splitlines() if "not starting:" in line]
+            assert len(lines) == 1 and "Traceback" not in log, log
+            assert os.path.join(base, "state") in lines[0] and "the log needs" in lines[0], lines[0]
+        finally:
+            daemon.close()  # removes the base's files, the filler with them
+        assert not os.path.exists(filler)
+        with DaemonProcess(text, base=base).start():
+            pass
