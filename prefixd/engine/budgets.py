@@ -30,6 +30,7 @@ from prefixd.config.engine_settings import EngineConfig
 from prefixd.config.errors import ConfigError
 from prefixd.config.sizes import format_bytes
 from prefixd.engine.errors import EngineError
+from prefixd.storage import falloc
 from prefixd.storage.budget_ledger import BudgetLedger
 from prefixd.storage.extents import EXTENT_BYTES
 from prefixd.storage.poolfile import DATA_OFFSET
@@ -40,6 +41,10 @@ MiB = 1 << 20
 UNCAPPED = 1 << 62  # no [engine.blocks] cap: the budget alone sizes a pool
 LOG_FLOOR = 64 * MiB
 MEAN_RECORD_BYTES = 256  # a commit record of a gsp request with its hashes (bench/engine.py)
+# NOTE: each pool's log file gets this much room past its end, its blocks allocated
+# (``falloc.reserve``) and charged to the pool's tenant: a filesystem another process fills
+# cannot fail the log's next commits (about 16,000 commit records of room).
+LOG_POOL_ROOM = 4 * MiB
 
 
 class NoRoomForLogError(EngineError):
@@ -180,9 +185,45 @@ class Budgets:
 
     def first_extents(self, layout: KVLayout) -> tuple[int, int, int]:
         """Bytes per tier a new pool of ``layout`` takes with its first block: its files'
-        header and first block, in whole extents (0: the tier is off for it)."""
-        return tuple(_extents(DATA_OFFSET + layout.block_bytes) if n else 0
-                     for n in self.pool_sizes(layout))
+        header and first block, in whole extents (0: the tier is off for it), and on disk its
+        log's room (``LOG_POOL_ROOM``)."""
+        first = [_extents(DATA_OFFSET + layout.block_bytes) if n else 0
+                 for n in self.pool_sizes(layout)]
+        if self.budget.disk:
+            first[2] += LOG_POOL_ROOM
+        return tuple(first)
+
+    # -- the logs' room ------------------------------------------------------------------------
+
+    def reserve_log(self, tenant: str, wal_file: str) -> None:
+        """Charge ``LOG_POOL_ROOM`` to ``tenant`` on disk and give ``wal_file`` (a pool's
+        ``data.mdb``) that much room past its end (no room kept without a disk budget, or on
+        a filesystem that cannot reserve: a WARNING says so).
+
+        Raises:
+            BudgetExceededError: the disk budget cannot take it (nothing charged).
+            NoSpaceError: the filesystem has no room for it (nothing charged).
+        """
+        if not self.budget.disk:
+            return
+        ledger = self.ledgers["disk"]
+        ledger.charge(tenant, LOG_POOL_ROOM)
+        try:
+            fd = os.open(wal_file, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                falloc.reserve(fd, wal_file, 0, os.fstat(fd).st_size + LOG_POOL_ROOM)
+            finally:
+                os.close(fd)
+        except falloc.PunchUnsupportedError as exc:
+            log.warning("the log's room is not kept on this filesystem: %s", exc)
+        except BaseException:
+            ledger.release(tenant, LOG_POOL_ROOM)
+            raise
+
+    def release_log(self, tenant: str) -> None:
+        """Give back what ``reserve_log`` charged (the pool closed)."""
+        if self.budget.disk:
+            self.ledgers["disk"].release(tenant, LOG_POOL_ROOM)
 
     def room_for(self, tenant: str, tier: int) -> int:
         """The most bytes ``tenant`` may ever hold in ``tier``: its ``max``, and the tier's

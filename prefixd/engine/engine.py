@@ -30,6 +30,7 @@ from prefixd.engine.durable import DurableCache
 from prefixd.engine.errors import EngineError, PoolDirError, UnknownTenantError
 from prefixd.engine.progress import RecoveryProgress
 from prefixd.engine.tier_lru import PoolRoom, SharedClock, TierLRU
+from prefixd.wal.env import ENV_DIR
 from prefixd.wal.lock import StateDirLock
 
 log = logging.getLogger(__name__)
@@ -262,6 +263,8 @@ class Engine:
         try:
             self._each(lambda dc: dc.close())
         finally:
+            for tenant, _ in self._pools:
+                self.budgets.release_log(tenant)
             self._pools.clear()
             self._rooms.clear()
             self._lock.release()
@@ -305,9 +308,15 @@ class Engine:
     def _open(self, tenant: Tenant, layout: KVLayout) -> DurableCache:
         sizes = self.budgets.pool_sizes(layout)
         os.makedirs(self.config.shm_dir, exist_ok=True)
-        return DurableCache(self.pool_path(tenant.name, layout), layout, sizes,
-                            progress=self.progress, ledgers=self.budgets.by_tier(),
-                            tenant=tenant.name, **cache_kwargs(self.config, tenant))
+        dc = DurableCache(self.pool_path(tenant.name, layout), layout, sizes,
+                          progress=self.progress, ledgers=self.budgets.by_tier(),
+                          tenant=tenant.name, **cache_kwargs(self.config, tenant))
+        try:
+            self.budgets.reserve_log(tenant.name, os.path.join(dc.state_dir, ENV_DIR, "data.mdb"))
+        except BaseException:
+            dc.close()
+            raise
+        return dc
 
     def _found(self) -> list[tuple[Tenant, KVLayout]]:
         """The pools on disk whose tenant is configured, each checked against its manifest."""

@@ -316,3 +316,50 @@ def test_a_start_on_a_full_filesystem_exits_1_with_one_line_naming_it_and_the_by
         assert not os.path.exists(filler)
         with DaemonProcess(text, base=base).start():
             pass
+
+
+def _fill(path: str) -> int:
+    """Write ``path`` until the filesystem is full; returns the bytes written."""
+    chunk, written = b"\xff" * MiB, 0
+    with open(path, "wb", buffering=0) as f:
+        while True:
+            try:
+                written += f.write(chunk)
+            except OSError:
+                break
+        with contextlib.suppress(OSError):
+            os.fsync(f.fileno())
+    return written
+
+
+def test_a_disk_filled_by_another_file_keeps_commits_going_and_service_comes_back():
+    """Mid-run another file fills the state directory's filesystem: every commit at crash
+    still succeeds (the log writes into its kept room, blocks stay in the host tier) and the
+    recent ones stay hits, no DATA_LOSS; once the file is removed, new blocks reach the disk
+    tier again."""
+    with tmpfs_base(320 * MiB) as base, DaemonProcess(config(), base=base, lease_s=600.0).start() as d:
+        stub = d.stub()
+        lay = layout("full-disk", layers=4, heads=8, head_dim=64, block_size=16)  # 128 KiB blocks
+        sid = attach(stub, lay)
+
+        def on_disk() -> float:
+            values = dict(stub.Stats(pb.StatsRequest()).values)
+            return values.get('prefixd_blocks{tier="disk",state="indexed"}', 0)
+
+        done = []
+        for i in range(20):
+            store(stub, sid, prompt(i, 8, 16))
+            done.append(i)
+        filler = os.path.join(d.state_dir, "filler")
+        assert _fill(filler) > 0
+        for i in range(20, 120):  # 100 x 1 MiB: far past what the disk pool held free
+            store(stub, sid, prompt(i, 8, 16))
+            done.append(i)
+        for i in done[-40:]:  # 40 MiB: what the host tier holds while the disk takes nothing
+            assert stub.Lookup(pb.LookupRequest(session_id=sid, tokens=prompt(i, 8, 16))).cached_tokens == 128
+        before = on_disk()
+        os.unlink(filler)
+        for i in range(120, 200):
+            store(stub, sid, prompt(i, 8, 16))
+        assert on_disk() > before, "the disk tier took no new block once space came back"
+        assert "DATA_LOSS" not in d.log()
