@@ -4,13 +4,17 @@ On disk::
 
     <state_dir>/lock                                   the engine's flock (holder's pid inside)
     <state_dir>/pools/<tenant>/<model>-<digest16>/     one DurableCache state directory per pool
-        pool.json                                      manifest: tenant, layout bytes, salt print
+        pool.json                                      manifest: tenant, layout bytes, salt print,
+                                                       slots per tier (fixed when the pool is made)
         lock, wal/, *.disk.pool                        the pool's own (see DurableCache)
 
 Opening the engine takes the lock, then opens (recovering) every pool found under ``pools/``;
 ``pool(tenant, layout)`` opens or creates one. The manifest is what makes a pool recoverable
 by name: it is written (and fsynced, with its directory entries) before the pool's WAL exists,
-so a pool directory either has a manifest or was never used.
+so a pool directory either has a manifest or was never used. A pool keeps the slots per tier
+its manifest says: its files are sized to the budgets of when it was made (sparse: they take
+only what they hold), so a budget changed later bounds its bytes through the ledgers and
+never makes its files disagree with their headers.
 """
 
 from __future__ import annotations
@@ -126,8 +130,8 @@ class Engine:
         try:
             self.budgets = Budgets(self.config, self.state_dir)
             self.tier_lru = TierLRU(self.budgets.ledgers, self._rooms.items)
-            for tenant, layout in self._found():
-                self._pools[(tenant.name, layout)] = dc = self._open(tenant, layout)
+            for tenant, layout, sizes in self._found():
+                self._pools[(tenant.name, layout)] = dc = self._open(tenant, layout, sizes)
                 self._join(dc, tenant.name, layout)
         except BaseException:
             try:
@@ -169,8 +173,9 @@ class Engine:
             raise UnknownTenantError(tenant, [t.name for t in self.config.tenants])
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
-        _write_manifest(self.pool_path(tenant, layout), conf, layout)
-        return self._open(conf, layout)
+        sizes = self.budgets.pool_sizes(layout)
+        _write_manifest(self.pool_path(tenant, layout), conf, layout, sizes)
+        return self._open(conf, layout, sizes)
 
     def make_room_for(self, tenant: str, layout: KVLayout) -> None:
         """Evict the least recently used blocks across the pools of each tier (``TierLRU``)
@@ -305,8 +310,10 @@ class Engine:
         if first is not None:
             raise first
 
-    def _open(self, tenant: Tenant, layout: KVLayout) -> DurableCache:
-        sizes = self.budgets.pool_sizes(layout)
+    def _open(self, tenant: Tenant, layout: KVLayout, sizes) -> DurableCache:
+        """Open (recovering) the pool; ``sizes`` in slots per tier, as its manifest says (None:
+        a manifest from before budgets, sized by the budgets now)."""
+        sizes = sizes or self.budgets.pool_sizes(layout)
         os.makedirs(self.config.shm_dir, exist_ok=True)
         dc = DurableCache(self.pool_path(tenant.name, layout), layout, sizes,
                           progress=self.progress, ledgers=self.budgets.by_tier(),
@@ -336,14 +343,15 @@ class Engine:
                 self.unconfigured.append(tenant_dir)
                 continue
             for name in sorted(os.listdir(tenant_dir)):
-                layout = _read_manifest(os.path.join(tenant_dir, name), tenant)
-                if layout is not None:
-                    found.append((tenant, layout))
+                read = _read_manifest(os.path.join(tenant_dir, name), tenant)
+                if read is not None:
+                    found.append((tenant, *read))
         return found
 
 
-def _read_manifest(path: str, tenant: Tenant) -> KVLayout | None:
-    """The layout of the pool in ``path``, checked; None for a creation that never finished.
+def _read_manifest(path: str, tenant: Tenant) -> tuple[KVLayout, tuple | None] | None:
+    """The layout of the pool in ``path`` and its sizes in slots per tier (None in a manifest
+    from before byte budgets), checked; None for a creation that never finished.
 
     Raises:
         PoolDirError: no manifest beside pool data, a damaged one, or one that disagrees with
@@ -370,6 +378,11 @@ def _read_manifest(path: str, tenant: Tenant) -> KVLayout | None:
                              f"{MANIFEST_FORMAT}")
         layout = KVLayout.from_bytes(bytes.fromhex(meta["layout"]))
         tenant_name, printed = meta["tenant"], meta["salt_print"]
+        sizes = meta.get("num_slots")
+        if sizes is not None:
+            sizes = tuple(int(n) for n in sizes)
+            if len(sizes) != 3 or min(sizes) < 0:
+                raise ValueError(f"num_slots {sizes!r} is not three slot counts")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise PoolDirError(path, f"{MANIFEST} cannot be read ({exc}): restore it from a backup, "
                            f"or move the directory out of the state directory") from exc
@@ -382,16 +395,17 @@ def _read_manifest(path: str, tenant: Tenant) -> KVLayout | None:
                            f"pool was made, and its blocks were named under the old one: restore "
                            f"the old salt in [[engine.tenants]], or delete the directory to "
                            f"drop that cache")
-    return layout
+    return layout, sizes
 
 
-def _write_manifest(path: str, tenant: Tenant, layout: KVLayout) -> None:
+def _write_manifest(path: str, tenant: Tenant, layout: KVLayout, sizes) -> None:
     """Write ``path/pool.json`` durably (file, then every new directory entry up to the state
     directory) before anything else is put in ``path``."""
     os.makedirs(path, mode=0o750, exist_ok=True)
     data = json.dumps({"format": MANIFEST_FORMAT, "tenant": tenant.name,
                        "model_id": layout.model_id, "layout": layout.to_bytes().hex(),
-                       "salt_print": salt_print(tenant.salt)}, indent=1).encode()
+                       "salt_print": salt_print(tenant.salt),
+                       "num_slots": list(sizes)}, indent=1).encode()
     tmp = os.path.join(path, MANIFEST + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
     try:
