@@ -9,9 +9,12 @@ take, ``max(LOG_FLOOR, 2 x the logs on disk at start + checkpoint_records x MEAN
 LMDB's map grows by what is appended until a checkpoint folds it, and a checkpoint is written
 beside the one it replaces. A start whose filesystem has less free space than the log's room
 not yet taken is refused (``NoRoomForLogError``, one line naming the filesystem and the bytes).
+Each pool's log file also gets ``LOG_POOL_ROOM`` past its end with its blocks allocated,
+charged to its tenant (``reserve_log``): another process filling the filesystem then meets
+the pool files' grows (refused, the cache keeps serving from memory), not the log's commits.
 
 A pool's size per tier is ``min([engine.blocks] cap, (tier budget - header) // block_bytes)``
-slots: its files are sparse, as large as the budget, and take bytes extent by extent as
+slots when it is made (its manifest keeps them: ``prefixd.engine.engine``): its files are sparse, as large as the budget, and take bytes extent by extent as
 blocks arrive (``prefixd.storage.extents``), charged in the tier's ledger under the pool's
 tenant by its ``TierStore``. An Attach is admitted only if one request of the client's
 ``max_model_len`` (or one block) fits every tier within what its tenant may ever hold there
