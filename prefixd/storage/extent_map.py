@@ -144,6 +144,11 @@ class ExtentMap:
     def is_allocated(self, k: int) -> bool:
         return bool(self._allocated[k])
 
+    def first_hole(self, k: int) -> int:
+        """The lowest extent ``>= k`` that is not allocated (``num_extents`` if none)."""
+        found = self._allocated.find(0, k)
+        return self.num_extents if found < 0 else found
+
     def users_of(self, k: int) -> int:
         return self._users[k]
 

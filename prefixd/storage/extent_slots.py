@@ -19,6 +19,7 @@ It has ``SlotAllocator``'s interface and quarantine (free before reuse), and dri
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import logging
 import time
@@ -39,8 +40,9 @@ _HELD, _HOLE = 1, 2
 class ExtentSlotAllocator:
     """Free slots by extent, a quarantine, and the sparse file they are slots of.
 
-    Data structure: a free slot ``s`` below ``_fresh`` sits in ``_buckets[k]`` (a stack) for
-    the extent ``k`` its first byte is in; ``_where[k]`` says whether that extent is held
+    Data structure: a free slot ``s`` below ``_fresh`` sits in ``_buckets[k]`` (a stack, each
+    batch pushed in descending order so that it pops as an ascending run: a copy into one run
+    is one slice) for the extent ``k`` its first byte is in; ``_where[k]`` says whether that extent is held
     (``_HELD``, its bucket in the ``_held`` heap) or a hole (``_HOLE``, in ``_holes``); the
     heaps may hold stale entries, skipped when ``_where`` disagrees. Slots ``>= _fresh`` were
     never handed out. ``_deferred`` is the open quarantine batch, ``_sealed`` the sealed ones.
@@ -64,6 +66,9 @@ class ExtentSlotAllocator:
         self.num_slots = self.extents.num_slots
         self.keep_idle = keep_idle
         self.grow_refusals = 0
+        em = self.extents
+        self._off, self._bb, self._ext = em.data_offset, em.block_bytes, em.extent_bytes
+        self._wide = em.block_bytes > em.extent_bytes  # a slot may span several extents
         self._recovered = recovered
         self._buckets: dict[int, list[int]] = {}
         self._where: dict[int, int] = {}
@@ -106,7 +111,7 @@ class ExtentSlotAllocator:
     def num_free(self) -> int:
         """Free slots; while a grow is refused, only those in held extents (what can be had)."""
         if self._refused_at is not None and not self._room_may_be_back():
-            return self._num_ready + self._fresh_ready()
+            return self._num_ready + self._fresh_held_end() - self._fresh
         return self._num_bucketed + self.num_slots - self._fresh
 
     @property
@@ -131,24 +136,6 @@ class ExtentSlotAllocator:
             self._refused_at = None
         return back
 
-    def _fresh_ready(self) -> int:
-        """Never-used slots whose every extent is held (those past the last used slot that
-        end inside its extent, or inside the header's)."""
-        em, n, s = self.extents, 0, self._fresh
-        while s < self.num_slots and self._slot_held(s):
-            n, s = n + 1, s + 1
-            if n > 4096:  # bounded scan; a held run this long is plenty
-                break
-        return n
-
-    def _slot_held(self, s: int) -> bool:
-        em = self.extents
-        start = em.data_offset + s * em.block_bytes
-        for k in range(start // em.extent_bytes, (start + em.block_bytes - 1) // em.extent_bytes + 1):
-            if not em.is_allocated(k):
-                return False
-        return True
-
     # -- allocate -----------------------------------------------------------------------------
 
     def allocate(self, n: int) -> list[int] | None:
@@ -161,23 +148,29 @@ class ExtentSlotAllocator:
         if n > self._num_bucketed + self.num_slots - self._fresh:
             return None
         out: list[int] = []
-        self._pop_from(self._held, _HELD, n, out)
+        counts: dict[int, int] = {}
+        taken: list[tuple[int, list[int]]] = []  # (extent, slots) popped from buckets
+        if self._held:
+            self._pop_from(self._held, _HELD, n, out, taken)
         fresh0 = self._fresh
-        while len(out) < n and self._fresh < self.num_slots and self._slot_held(self._fresh):
-            out.append(self._fresh)
-            self._fresh += 1
-        self._pop_from(self._holes, _HOLE, n, out)
+        if len(out) < n:  # never-used slots in held extents
+            self._take_fresh(min(n - len(out), self._fresh_held_end() - fresh0), out, counts)
+        if len(out) < n and self._holes:
+            self._pop_from(self._holes, _HOLE, n, out, taken)
         if len(out) < n:
-            extra = n - len(out)
-            out += range(self._fresh, self._fresh + extra)
-            self._fresh += extra
-        if self._grow_for(out):
+            self._take_fresh(n - len(out), out, counts)
+        if self._wide:
+            counts = self.extents.touched(out)
+        else:
+            for k, slots in taken:
+                self._count_chunk(k, slots, counts)
+        if self._grow_for(out, counts):
             return out
         self._fresh = fresh0
         self._push([s for s in out if s < fresh0])
         return None
 
-    def _pop_from(self, heap: list[int], where: int, n: int, out: list[int]) -> None:
+    def _pop_from(self, heap: list[int], where: int, n: int, out: list[int], taken: list) -> None:
         buckets, places = self._buckets, self._where
         while len(out) < n and heap:
             k = heap[0]
@@ -186,7 +179,10 @@ class ExtentSlotAllocator:
                 continue
             bucket = buckets[k]
             take = min(n - len(out), len(bucket))
-            out += bucket[-take:][::-1]
+            got = bucket[-take:]
+            got.reverse()
+            out += got
+            taken.append((k, got))
             del bucket[-take:]
             self._num_bucketed -= take
             if where == _HELD:
@@ -195,12 +191,54 @@ class ExtentSlotAllocator:
                 heapq.heappop(heap)
                 del buckets[k], places[k]
 
-    def _grow_for(self, slots: list[int]) -> bool:
+    def _take_fresh(self, m: int, out: list[int], counts: dict[int, int]) -> None:
+        """The next ``m`` never-used slots, and the extents they touch counted (one run)."""
+        if m <= 0:
+            return
+        f0 = self._fresh
+        self._fresh = f1 = f0 + m
+        out += range(f0, f1)
+        if self._wide:
+            return  # counted whole by the caller
+        off, bb, ext = self._off, self._bb, self._ext
+        for k in range((off + f0 * bb) // ext, (off + f1 * bb - 1) // ext + 1):
+            lo = max(f0, (k * ext - off) // bb) if k * ext > off else f0
+            hi = min(f1, -(-((k + 1) * ext - off) // bb))
+            if hi > lo:
+                counts[k] = counts.get(k, 0) + hi - lo
+
+    def _fresh_held_end(self) -> int:
+        """The first never-used slot that touches an extent not held (``num_slots`` if none)."""
         em = self.extents
-        touched = em.touched(slots)
-        missing = em.missing(touched=touched)
+        if self._fresh >= self.num_slots:
+            return self.num_slots
+        hole = em.first_hole((self._off + self._fresh * self._bb) // self._ext)
+        if hole >= em.num_extents:
+            return self.num_slots
+        return max(self._fresh, min(self.num_slots, (hole * self._ext - self._off) // self._bb))
+
+    def _count_chunk(self, k: int, slots: list[int], counts: dict[int, int]) -> None:
+        """Count ``slots`` (all starting in extent ``k``, a slot no larger than an extent):
+        ``k`` each, and ``k + 1`` for the one slot that may run over into it."""
+        counts[k] = counts.get(k, 0) + len(slots)
+        straddler = self._straddler(k)
+        if straddler >= 0 and straddler in slots:
+            counts[k + 1] = counts.get(k + 1, 0) + 1
+
+    def _straddler(self, k: int) -> int:
+        """The slot that starts in extent ``k`` and ends in ``k + 1`` (-1: none)."""
+        off, bb, ext = self._off, self._bb, self._ext
+        end = (k + 1) * ext
+        if end <= off:
+            return -1
+        s = (end - off - 1) // bb  # the slot holding the extent's last byte
+        if s >= self.num_slots or off + (s + 1) * bb <= end or off + s * bb < k * ext:
+            return -1
+        return s
+
+    def _grow_for(self, slots: list[int], counts: dict[int, int]) -> bool:
         try:
-            if not self.file.take(slots, touched=touched):
+            if not self.file.take(slots, touched=counts):
                 self._refuse(False)
                 return False
         except NoSpaceError as exc:
@@ -208,8 +246,10 @@ class ExtentSlotAllocator:
                 log.warning("pool file cannot grow, the filesystem is full: %s", exc)
             self._refuse(True)
             return False
-        for k in missing:
-            self._flip(k, _HELD)
+        places = self._where
+        for k in counts:
+            if places.get(k) == _HOLE:
+                self._flip(k, _HELD)
         return True
 
     def _refuse(self, no_space: bool) -> None:
@@ -226,31 +266,67 @@ class ExtentSlotAllocator:
         self._num_ready += n if where == _HELD else -n
         heapq.heappush(self._held if where == _HELD else self._holes, k)
 
-    def _push(self, slots) -> None:
-        """Bucket free slots (below ``_fresh``) by extent."""
-        em = self.extents
-        off, bb, ext = em.data_offset, em.block_bytes, em.extent_bytes
-        buckets, places, allocated = self._buckets, self._where, em.is_allocated
-        for s in slots:
-            k = (off + s * bb) // ext
-            bucket = buckets.get(k)
-            if bucket is None:
-                buckets[k] = bucket = []
-                where = places[k] = _HELD if allocated(k) else _HOLE
-                heapq.heappush(self._held if where == _HELD else self._holes, k)
-            bucket.append(s)
-            if places[k] == _HELD:
-                self._num_ready += 1
-        self._num_bucketed += len(slots)
+    def _push(self, slots: list[int]) -> dict[int, int]:
+        """Bucket free slots (below ``_fresh``) by extent; returns the extents they touch
+        (``ExtentMap.touched``), counted on the way."""
+        if not slots:
+            return {}
+        off, bb, ext = self._off, self._bb, self._ext
+        ordered = sorted(slots)  # NOTE: faster than min() and max() on a list of ints
+        lo, hi = ordered[0], ordered[-1]
+        if lo < 0 or hi >= self._fresh:
+            raise ValueError(f"slots to free must be in [0, {self._fresh}) (handed out), got {lo}..{hi}")
+        k = (off + lo * bb) // ext
+        if not self._wide and k == (off + hi * bb) // ext:  # one extent's slots: no loop
+            ordered.reverse()  # a bucket descends: ``allocate`` pops ascending runs
+            self._bucket(k).extend(ordered)
+            if self._where[k] == _HELD:
+                self._num_ready += len(slots)
+            self._num_bucketed += len(slots)
+            counts = {k: len(slots)}
+            if (off + (hi + 1) * bb - 1) // ext != k:
+                counts[k + 1] = 1
+            return counts
+        if self._wide:
+            for s in slots:
+                self._bucket((off + s * bb) // ext).append(s)
+            self._num_ready += sum(1 for s in slots if self._where[(off + s * bb) // ext] == _HELD)
+            self._num_bucketed += len(slots)
+            return self.extents.touched(slots)
+        counts: dict[int, int] = {}  # each extent's slots are one slice of ``ordered``
+        i, n = 0, len(ordered)
+        while i < n:
+            k = (off + ordered[i] * bb) // ext
+            first_next = -(-((k + 1) * ext - off) // bb)  # the first slot starting past extent k
+            j = bisect.bisect_left(ordered, first_next, i)
+            self._bucket(k).extend(reversed(ordered[i:j]))
+            if self._where[k] == _HELD:
+                self._num_ready += j - i
+            counts[k] = counts.get(k, 0) + j - i
+            if ordered[j - 1] == first_next - 1 and off + first_next * bb > (k + 1) * ext:
+                counts[k + 1] = counts.get(k + 1, 0) + 1  # it runs over into the next extent
+            i = j
+        self._num_bucketed += n
+        return counts
+
+    def _bucket(self, k: int) -> list[int]:
+        bucket = self._buckets.get(k)
+        if bucket is None:
+            self._buckets[k] = bucket = []
+            where = self._where[k] = _HELD if self.extents.is_allocated(k) else _HOLE
+            heapq.heappush(self._held if where == _HELD else self._holes, k)
+        return bucket
 
     # -- free, quarantine, shrink -------------------------------------------------------------
 
     def free(self, slots: list[int]) -> None:
-        """Return slots no durable record names: allocatable, and given back to the file."""
+        """Return slots no durable record names: allocatable, and given back to the file.
+
+        Raises ValueError: a slot that was never handed out (nothing freed)."""
         if slots:
-            self.file.give_back(slots)
-            self._push(slots)
-            self._shrink_idle()
+            self.file.give_back(slots, touched=self._push(slots))
+            if self.extents.num_idle > self.keep_idle:
+                self.shrink(self.keep_idle)
 
     def defer_free(self, slots: list[int]) -> None:
         """Return slots that a durable record may still name (``SlotAllocator.defer_free``)."""
@@ -287,10 +363,6 @@ class ExtentSlotAllocator:
         self.free(released)
         return len(released)
 
-    def _shrink_idle(self) -> None:
-        if self.extents.num_idle > self.keep_idle:
-            self.shrink(self.keep_idle)
-
     def shrink(self, keep_idle: int = 0) -> int:
         """Punch the idle extents above the ``keep_idle`` lowest; returns the bytes given back."""
         if self.extents.num_idle <= keep_idle or (self.may_shrink is not None and not self.may_shrink()):
@@ -326,7 +398,7 @@ class ExtentSlotAllocator:
         if not self._recovered:
             self.file.recover(wanted)
             self._recovered = True
-        elif wanted.size and not self._grow_for(wanted.tolist()):
+        elif wanted.size and not self._grow_for(wanted.tolist(), self.extents.touched(wanted)):
             raise ValueError("the extents of the slots to take cannot grow")
         is_free[wanted] = False
         top = int(wanted.max()) + 1 if wanted.size else 0

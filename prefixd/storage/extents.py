@@ -169,12 +169,12 @@ class SparsePoolFile:
 
     # -- shrink -------------------------------------------------------------------------------
 
-    def give_back(self, slots) -> None:
+    def give_back(self, slots, touched: dict[int, int] | None = None) -> None:
         """Count ``slots`` no longer in use. Call only once no committed record names them
-        (free before reuse: see the class docstring).
+        (free before reuse: see the class docstring). ``touched``: as for ``take``.
 
         Raises ValueError: a slot out of range."""
-        self.extent_map.add_users(slots, -1)
+        self.extent_map.add_users(slots, -1, touched=touched)
 
     def shrink(self, keep_idle: int = 0) -> int:
         """Punch idle extents (no slot in use), keeping the ``keep_idle`` lowest ones allocated
