@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from prefixd.api import prefixd_pb2 as pb
+from prefixd.client.ctl_render import status_text
 from tests.daemon.harness import DaemonProcess, start_daemon
 from tests.requires import missing
 
@@ -126,6 +127,9 @@ def test_status_stats_and_metrics_show_each_tiers_budget_and_bytes_by_tenant():
         assert budgets["disk"].log_reserve_bytes == 64 * MiB
         for b in status.budgets:  # alpha's pool holds its first extent in every tier
             assert 0 < b.tenant_used_bytes == b.used_bytes <= b.budget_bytes
+        text = status_text(status, d.socket)  # what prefixctl status prints
+        assert "  host budget   " in text and "used of 64.0 MiB" in text, text
+        assert "64.0 MiB of it kept for the logs" in text, text
         values = dict(stub.Stats(pb.StatsRequest()).values)
         assert values['prefixd_budget_bytes{tier="host"}'] == 64 * MiB
         assert values['prefixd_used_bytes{tier="host"}'] == budgets["host"].used_bytes
