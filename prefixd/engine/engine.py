@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 from prefixd.api.layout import KVLayout
 from prefixd.config.engine_settings import EngineConfig, Tenant
+from prefixd.config.budget_settings import Machine
 from prefixd.engine.budgets import Budgets
 from prefixd.engine.durable import DurableCache
 from prefixd.engine.errors import EngineError, PoolDirError, UnknownTenantError
@@ -128,7 +129,8 @@ class Engine:
         self.clock = SharedClock()
         self._rooms: dict[tuple[str, KVLayout], PoolRoom] = {}
         try:
-            self.budgets = Budgets(self.config, self.state_dir)
+            self.budgets = Budgets(self.config, self.state_dir,
+                                   Machine.probe(self.state_dir, _gpu_total(self.config.use_cuda)))
             self.tier_lru = TierLRU(self.budgets.ledgers, self._rooms.items)
             for tenant, layout, sizes in self._found():
                 self._pools[(tenant.name, layout)] = dc = self._open(tenant, layout, sizes)
@@ -347,6 +349,17 @@ class Engine:
                 if read is not None:
                     found.append((tenant, *read))
         return found
+
+
+def _gpu_total(use_cuda: bool | None) -> int | None:
+    """The GPU's memory when the device tier is on it (what a ``device`` percentage is of)."""
+    if use_cuda is False:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory
 
 
 def _read_manifest(path: str, tenant: Tenant) -> tuple[KVLayout, tuple | None] | None:
