@@ -67,11 +67,13 @@ class Allocation:
         short = n - alloc.num_free
         on_tier_full = self.cache.on_tier_full
         if on_tier_full is not None:  # the engine: one LRU across the pools of the tier
-            on_tier_full(tier, n)
+            fits = on_tier_full(tier, n)
             slots = alloc.allocate(n)
             if slots is not None:
                 return slots
-            short = max(short, n)  # the budget refused bytes: its own blocks' slots make room
+            # the budget has no bytes for it: its own blocks' slots (in extents it holds) must
+            # make the room; else only its free slots were short
+            short = n - alloc.num_free if fits else max(short, n)
         self.evict(tier, short)
         slots = alloc.allocate(n)
         if slots is None and alloc.num_deferred and self.cache.on_deferred_shortage is not None:
