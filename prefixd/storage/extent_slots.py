@@ -23,12 +23,11 @@ import bisect
 import heapq
 import logging
 import time
-from collections import deque
-
 import numpy as np
 
 from prefixd.storage.errors import NoSpaceError
 from prefixd.storage.extents import SparsePoolFile
+from prefixd.storage.quarantine_batches import QuarantineBatches
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,7 @@ class ExtentSlotAllocator:
     is one slice) for the extent ``k`` its first byte is in; ``_where[k]`` says whether that extent is held
     (``_HELD``, its bucket in the ``_held`` heap) or a hole (``_HOLE``, in ``_holes``); the
     heaps may hold stale entries, skipped when ``_where`` disagrees. Slots ``>= _fresh`` were
-    never handed out. ``_deferred`` is the open quarantine batch, ``_sealed`` the sealed ones.
+    never handed out. ``_quarantine`` holds the deferred slots (``QuarantineBatches``).
 
     Invariants (``check_invariants``): every slot is free, deferred or used exactly once;
     ``_num_ready`` counts the bucketed slots whose extent is held; every slot in use is
@@ -65,7 +64,9 @@ class ExtentSlotAllocator:
         self.extents = pool_file.extent_map
         self.num_slots = self.extents.num_slots
         self.keep_idle = keep_idle
-        self.grow_refusals = 0
+        self.grow_refusals = 0  # grows refused, by the ledger or the filesystem
+        self.no_space_refusals = 0  # ... by the filesystem (ENOSPC, EDQUOT)
+        self.out_of_space = False  # the last grow tried met ENOSPC or EDQUOT
         em = self.extents
         self._off, self._bb, self._ext = em.data_offset, em.block_bytes, em.extent_bytes
         self._wide = em.block_bytes > em.extent_bytes  # a slot may span several extents
@@ -77,9 +78,7 @@ class ExtentSlotAllocator:
         self._num_ready = 0
         self._num_bucketed = 0
         self._fresh = 0
-        self._deferred: list[int] = []
-        self._sealed: deque[tuple[int, list[int]]] = deque()
-        self._num_sealed = 0
+        self._quarantine = QuarantineBatches()
         self._refused_at: float | None = None  # when a grow was last refused (None: not since)
         self._refused_no_space = False
         self.may_shrink = None  # a callable: False postpones punching (writes still queued)
@@ -88,22 +87,12 @@ class ExtentSlotAllocator:
 
     def extent_of(self, slot: int) -> int:
         """The extent slot ``slot``'s first byte is in. Raises ValueError: out of range."""
-        if not 0 <= slot < self.num_slots:
-            raise ValueError(f"slot must be in [0, {self.num_slots}), got {slot}")
-        em = self.extents
-        return (em.data_offset + slot * em.block_bytes) // em.extent_bytes
+        return self.extents.extent_of(slot)
 
     def extent_slots(self, extent: int) -> range:
         """The slots that touch ``extent``: freeing all of them lets ``shrink`` punch it.
-
         Raises ValueError: out of range."""
-        em = self.extents
-        if not 0 <= extent < em.num_extents:
-            raise ValueError(f"extent must be in [0, {em.num_extents}), got {extent}")
-        start, length = em.byte_range(extent)
-        first = max(0, start - em.data_offset) // em.block_bytes
-        last = -(-(start + length - em.data_offset) // em.block_bytes)
-        return range(min(first, self.num_slots), max(0, min(last, self.num_slots)))
+        return self.extents.slots_of(extent)
 
     # -- counts -------------------------------------------------------------------------------
 
@@ -116,7 +105,7 @@ class ExtentSlotAllocator:
 
     @property
     def num_deferred(self) -> int:
-        return len(self._deferred) + self._num_sealed
+        return len(self._quarantine)
 
     @property
     def num_used(self) -> int:
@@ -198,14 +187,8 @@ class ExtentSlotAllocator:
         f0 = self._fresh
         self._fresh = f1 = f0 + m
         out += range(f0, f1)
-        if self._wide:
-            return  # counted whole by the caller
-        off, bb, ext = self._off, self._bb, self._ext
-        for k in range((off + f0 * bb) // ext, (off + f1 * bb - 1) // ext + 1):
-            lo = max(f0, (k * ext - off) // bb) if k * ext > off else f0
-            hi = min(f1, -(-((k + 1) * ext - off) // bb))
-            if hi > lo:
-                counts[k] = counts.get(k, 0) + hi - lo
+        if not self._wide:  # else counted whole by the caller
+            self.extents.count_run(f0, f1, counts)
 
     def _fresh_held_end(self) -> int:
         """The first never-used slot that touches an extent not held (``num_slots`` if none)."""
@@ -221,20 +204,9 @@ class ExtentSlotAllocator:
         """Count ``slots`` (all starting in extent ``k``, a slot no larger than an extent):
         ``k`` each, and ``k + 1`` for the one slot that may run over into it."""
         counts[k] = counts.get(k, 0) + len(slots)
-        straddler = self._straddler(k)
+        straddler = self.extents.straddler(k)
         if straddler >= 0 and straddler in slots:
             counts[k + 1] = counts.get(k + 1, 0) + 1
-
-    def _straddler(self, k: int) -> int:
-        """The slot that starts in extent ``k`` and ends in ``k + 1`` (-1: none)."""
-        off, bb, ext = self._off, self._bb, self._ext
-        end = (k + 1) * ext
-        if end <= off:
-            return -1
-        s = (end - off - 1) // bb  # the slot holding the extent's last byte
-        if s >= self.num_slots or off + (s + 1) * bb <= end or off + s * bb < k * ext:
-            return -1
-        return s
 
     def _grow_for(self, slots: list[int], counts: dict[int, int]) -> bool:
         try:
@@ -242,10 +214,15 @@ class ExtentSlotAllocator:
                 self._refuse(False)
                 return False
         except NoSpaceError as exc:
-            if not self._refused_no_space:
-                log.warning("pool file cannot grow, the filesystem is full: %s", exc)
+            if not self.out_of_space:
+                log.info("pool file cannot grow, the filesystem is full: %s", exc)
+            self.no_space_refusals += 1
+            self.out_of_space = True
             self._refuse(True)
             return False
+        if self.out_of_space:
+            log.info("pool file grows again path=%s", self.file.path)
+            self.out_of_space = False
         places = self._where
         for k in counts:
             if places.get(k) == _HOLE:
@@ -330,36 +307,24 @@ class ExtentSlotAllocator:
 
     def defer_free(self, slots: list[int]) -> None:
         """Return slots that a durable record may still name (``SlotAllocator.defer_free``)."""
-        self._deferred.extend(slots)
+        self._quarantine.add(slots)
 
     def seal_deferred(self, mark: int) -> None:
         """Raises ValueError: ``mark`` below the last sealed batch's (see ``SlotAllocator``)."""
-        if not self._deferred:
-            return
-        if self._sealed and mark < self._sealed[-1][0]:
-            raise ValueError(f"quarantine marks must ascend: {mark} after {self._sealed[-1][0]}")
-        self._sealed.append((mark, self._deferred))
-        self._num_sealed += len(self._deferred)
-        self._deferred = []
+        self._quarantine.seal(mark)
 
     def next_deferred_mark(self) -> int | None:
-        return self._sealed[0][0] if self._sealed else None
+        return self._quarantine.next_mark()
 
     def release_deferred(self, upto: int) -> int:
         """Make every sealed batch with ``mark <= upto`` allocatable; returns how many slots."""
-        released: list[int] = []
-        while self._sealed and self._sealed[0][0] <= upto:
-            released += self._sealed.popleft()[1]
-        self._num_sealed -= len(released)
+        released = self._quarantine.release(upto)
         self.free(released)
         return len(released)
 
     def release_all_deferred(self) -> int:
         """Make every quarantined slot allocatable, sealed or not; returns how many."""
-        released = [s for _, slots in self._sealed for s in slots] + self._deferred
-        self._sealed.clear()
-        self._num_sealed = 0
-        self._deferred = []
+        released = self._quarantine.release_all()
         self.free(released)
         return len(released)
 
@@ -411,17 +376,16 @@ class ExtentSlotAllocator:
 
     def used_slots(self) -> set[int]:
         free = {s for b in self._buckets.values() for s in b}
-        deferred = {s for _, b in self._sealed for s in b} | set(self._deferred)
-        return set(range(self._fresh)) - free - deferred
+        return set(range(self._fresh)) - free - set(self._quarantine.slots())
 
     def check_invariants(self) -> None:
         free = [s for b in self._buckets.values() for s in b]
-        deferred = [s for _, b in self._sealed for s in b] + self._deferred
+        deferred = self._quarantine.slots()
+        self._quarantine.check_invariants()
         both = free + deferred
         assert len(set(both)) == len(both), "a slot is free or deferred twice"
         assert all(0 <= s < self._fresh for s in both), "a free slot is out of range or never used"
         assert len(free) == self._num_bucketed, "bucketed count drifted"
-        assert self._num_sealed == sum(len(b) for _, b in self._sealed), "sealed count drifted"
         em = self.extents
         ready = 0
         for k, bucket in self._buckets.items():

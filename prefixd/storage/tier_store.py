@@ -13,6 +13,7 @@ API (slots are lists of ints, one per block; positions in the lists pair source 
     store.extent_slots(tier, extent) -> range    # the slots that keep an extent allocated
     store.shrink(tier) -> int                    # punch every idle extent; the bytes given back
     store.grow_refusals(tier) -> int             # grows the budget or the filesystem refused
+    store.no_space(tier) -> (int, bool)          # ... the filesystem refused; the last did
     store.file_ids -> dict[Tier, bytes]          # persist these; pass them back as file_ids= on reopen
     store.descriptor(tier) -> dict               # shm path, offset, shape, strides, dtype (Attach)
     store.copy(src_tier, src_slots, dst_tier, dst_slots, *, verify=None, durable=False, checksums=True) -> CopyResult
@@ -69,14 +70,11 @@ class TierStore:
     ``_allocators[tier]`` counts its free slots. Files: DISK in ``state_dir/<name>.disk.pool``;
     HOST, and DEVICE when there is no GPU, in ``shm_dir/<name>.<tier>.pool``.
 
-    Byte budgets: every pool file is sparse (``prefixd.storage.extents``), charged to its tier's
-    ``BudgetLedger`` (``ledgers``; one ledger of a tier is shared by every pool of that tier)
-    under ``tenant``, extent by extent; its allocator (``ExtentSlotAllocator``) grows extents
-    before it hands slots out, returns ``None`` when the ledger or the filesystem refuses (the
-    cache then evicts in this pool), and punches extents once their slots are free in a
-    committed state. A cross-pool evictor empties an extent of its choice through
-    ``extent_of`` / ``extent_slots`` and gives its bytes back with ``shrink``. A CUDA device
-    pool is allocated whole and charged nothing here.
+    Byte budgets: every pool file but a CUDA pool is sparse, charged extent by extent to its
+    tier's ``BudgetLedger`` (``ledgers``: one per tier, shared by every pool) under ``tenant``;
+    its ``ExtentSlotAllocator`` grows, refuses (``None``: the cache evicts in this pool) and
+    punches. A cross-pool evictor empties an extent of its choice (``extent_of``,
+    ``extent_slots``) and gives its bytes back with ``shrink``.
 
     Invariants: every present tier has a pool and an allocator of the same size; absent tiers
     have neither.
@@ -198,6 +196,14 @@ class TierStore:
         """Grows of the tier's file refused so far (budget full, ENOSPC or EDQUOT)."""
         alloc = self.allocator(tier)
         return alloc.grow_refusals if isinstance(alloc, ExtentSlotAllocator) else 0
+
+    def no_space(self, tier: Tier) -> tuple[int, bool]:
+        """Grows the filesystem refused so far (ENOSPC, EDQUOT), and whether the last one tried
+        was refused so (False again once a grow succeeds: the daemon's metric and warning)."""
+        alloc = self.allocator(tier)
+        if not isinstance(alloc, ExtentSlotAllocator):
+            return 0, False
+        return alloc.no_space_refusals, alloc.out_of_space
 
     def read(self, tier: Tier, slots: Sequence[int]) -> torch.Tensor:
         """A copy of the blocks (``BlockIO.read``)."""
