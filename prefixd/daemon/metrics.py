@@ -171,6 +171,8 @@ def _budgets(add, snap: dict) -> None:
                 {"tier": tier, "tenant": tenant}, n)
     add("prefixd_log_reserve_bytes", "gauge", "disk bytes of the budget kept for the logs", {},
         snap["log_reserve"])
+    add("prefixd_filesystem_full", "gauge", "1 while a pool file meets a full filesystem "
+        "(commits go on through the host tier; grows are retried)", {}, int(snap["out_of_space"]))
 
 
 def _events(add, core) -> None:
@@ -235,6 +237,11 @@ def _pool(add, pool: dict, dc, block_size: int) -> None:
         add("prefixd_grow_refusals", "counter", "grows of the tier's pool file refused: its "
             "budget was full, or the filesystem was (ENOSPC, EDQUOT)", labels,
             dc.store.grow_refusals(t))
+        refusals, full = dc.store.no_space(t)
+        add("prefixd_no_space_refusals", "counter", "grows of the tier's pool file the "
+            "filesystem refused (ENOSPC, EDQUOT)", labels, refusals)
+        add("prefixd_out_of_space", "gauge", "1 while the tier's pool file cannot grow for a "
+            "full filesystem", labels, int(full))
         for name, help_, values in (
                 ("prefixd_evicted_blocks", "blocks evicted from a tier", st.evicted_by_tier),
                 ("prefixd_demoted_blocks", "blocks copied down before their eviction, by the "

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from prefixd.api.layout import KVLayout
 from prefixd.api.tiers import TIER_NAMES, Tier
@@ -48,6 +49,7 @@ MEAN_RECORD_BYTES = 256  # a commit record of a gsp request with its hashes (ben
 # (``falloc.reserve``) and charged to the pool's tenant: a filesystem another process fills
 # cannot fail the log's next commits (about 16,000 commit records of room).
 LOG_POOL_ROOM = 4 * MiB
+SPACE_CLEAR_S = 5.0  # no ENOSPC this long: the filesystem counts as having room again
 
 
 class NoRoomForLogError(EngineError):
@@ -122,6 +124,8 @@ class Budgets:
                 raise ConfigError(f"[engine.budget] {tier}: {exc}; lower the tenants' "
                                   f"reserved.{tier} or raise [engine.budget] {tier}") from None
         self._check_log_room(state_dir, on_disk)
+        self.out_of_space = False  # pool files met ENOSPC / EDQUOT lately (``watch_space``)
+        self._refusals, self._full_at = 0, 0.0
         log.info("budgets device=%d host=%d disk=%d log_reserve=%d", self.budget.device,
                  self.budget.host, self.budget.disk, self.log_reserve)
 
@@ -266,17 +270,50 @@ class Budgets:
         """The ledgers by ``Tier``, as ``TierStore`` takes them."""
         return {Tier(i): self.ledgers[t] for i, t in enumerate(TIER_NAMES)}
 
+    # -- a full filesystem ----------------------------------------------------------------------
+
+    def watch_space(self, stores, now: float | None = None) -> bool:
+        """Log ONE WARNING when pool files start to meet a full filesystem (ENOSPC, EDQUOT:
+        another process filled it; grows are refused and retried, new blocks stay in memory,
+        commits go on at ``crash``), and one INFO once none has for ``SPACE_CLEAR_S``.
+        ``stores``: ``(name, TierStore)`` of every pool; the engine's tick calls this.
+        Returns whether the filesystem counts as full now (``out_of_space``).
+
+        NOTE: a pool that meets ENOSPC evicts, its extents are punched and a smaller grow may
+        then succeed: the state flips many times a second, so it is judged by refusals over
+        a few seconds, not by the last grow, and the log says it once per episode."""
+        now = time.monotonic() if now is None else now
+        refusals, full = 0, []
+        for name, store in stores:
+            for t in store.tiers:
+                n, last_full = store.no_space(t)
+                refusals += n
+                if last_full:
+                    full.append(f"{name}:{Tier(t).name.lower()}")
+        if refusals > self._refusals or full:
+            if not self.out_of_space:
+                log.warning("the filesystem is full: pool files cannot grow, new blocks stay "
+                            "in memory and commits go on at crash through the host tier; "
+                            "grows are retried pools=%s", ",".join(full) or "-")
+            self.out_of_space, self._full_at = True, now
+        elif self.out_of_space and now - self._full_at >= SPACE_CLEAR_S:
+            log.info("the filesystem has room again: pool files grow")
+            self.out_of_space = False
+        self._refusals = refusals
+        return self.out_of_space
+
     # -- reports -------------------------------------------------------------------------------
 
     def snapshot(self) -> dict:
         """Per tier: ``budget`` (bytes), ``used`` (bytes charged), ``by_tenant``; and
-        ``log_reserve`` (disk bytes kept for the logs)."""
+        ``log_reserve`` (disk bytes kept for the logs), ``out_of_space`` (``watch_space``)."""
         out = {}
         for tier in TIER_NAMES:
             ledger = self.ledgers[tier]
             out[tier] = {"budget": self.budget.bytes_of(tier), "used": ledger.used_bytes,
                          "by_tenant": ledger.by_tenant()}
         out["log_reserve"] = self.log_reserve
+        out["out_of_space"] = self.out_of_space
         return out
 
     def check_invariants(self) -> None:

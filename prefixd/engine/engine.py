@@ -249,7 +249,11 @@ class Engine:
         """Every pool's periodic work (spill, expire unclaimed recovered sequences). Every pool
         is ticked even if one fails; the first failure is raised after."""
         self._check_open()
-        self._each(lambda dc: dc.tick())
+        try:
+            self._each(lambda dc: dc.tick())
+        finally:
+            self.budgets.watch_space((f"{t}/{layout.model_id}", dc.store)
+                                     for (t, layout), dc in self._pools.items())
 
     def checkpoint(self) -> dict[tuple[str, KVLayout], int]:
         """Checkpoint every pool; returns each pool's checkpoint lsn."""

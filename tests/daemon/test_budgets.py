@@ -340,8 +340,8 @@ def _fill(path: str) -> int:
 def test_a_disk_filled_by_another_file_keeps_commits_going_and_service_comes_back():
     """Mid-run another file fills the state directory's filesystem: every commit at crash
     still succeeds (the log writes into its kept room, blocks stay in the host tier) and the
-    recent ones stay hits, no DATA_LOSS; once the file is removed, new blocks reach the disk
-    tier again."""
+    recent ones stay hits, no DATA_LOSS, one WARNING and a metric; once the file is removed,
+    new blocks reach the disk tier again and the metric clears."""
     with tmpfs_base(320 * MiB) as base, DaemonProcess(config(), base=base, lease_s=600.0).start() as d:
         stub = d.stub()
         lay = layout("full-disk", layers=4, heads=8, head_dim=64, block_size=16)  # 128 KiB blocks
@@ -360,6 +360,12 @@ def test_a_disk_filled_by_another_file_keeps_commits_going_and_service_comes_bac
         for i in range(20, 120):  # 100 x 1 MiB: far past what the disk pool held free
             store(stub, sid, prompt(i, 8, 16))
             done.append(i)
+        values = dict(stub.Stats(pb.StatsRequest()).values)
+        assert values["prefixd_filesystem_full"] == 1
+        assert values['prefixd_no_space_refusals_total{tier="disk"}'] > 0
+        warnings = [line for line in d.log().splitlines()
+                    if line.startswith("WARNING") and "the filesystem is full" in line]
+        assert len(warnings) == 1, warnings  # one WARNING, not one per refused grow
         for i in done[-40:]:  # 40 MiB: what the host tier holds while the disk takes nothing
             assert stub.Lookup(pb.LookupRequest(session_id=sid, tokens=prompt(i, 8, 16))).cached_tokens == 128
         before = on_disk()
@@ -370,3 +376,9 @@ def test_a_disk_filled_by_another_file_keeps_commits_going_and_service_comes_bac
             store(stub, sid, prompt(i, 8, 16))
             i += 1
         assert "DATA_LOSS" not in d.log()
+        deadline = time.monotonic() + 30
+        while dict(stub.Stats(pb.StatsRequest()).values)["prefixd_filesystem_full"]:
+            assert time.monotonic() < deadline, "the metric still says the filesystem is full"
+            store(stub, sid, prompt(i, 8, 16))
+            i += 1
+        assert "the filesystem has room again" in d.log()

@@ -59,3 +59,35 @@ def test_a_budget_changed_between_two_starts_keeps_every_pool_and_its_blocks(tmp
             dc = engine.pool("a", LAYOUT)
             assert dc.lookup(list(range(41))).cached_tokens == 40
             engine.check_invariants()
+
+
+class _Store:
+    """A TierStore as ``watch_space`` sees it: refusals so far and whether the last grow was."""
+
+    tiers = (0, 1, 2)
+
+    def __init__(self):
+        self.refusals, self.full = 0, False
+
+    def no_space(self, tier):
+        return (self.refusals, self.full) if tier == 2 else (0, False)
+
+
+def test_a_full_filesystem_is_said_once_per_episode_and_cleared_after_quiet_seconds(tmp_path, caplog):
+    from prefixd.engine.budgets import SPACE_CLEAR_S, Budgets
+
+    budgets = Budgets(config(str(tmp_path / "shm")), str(tmp_path))
+    store = _Store()
+    with caplog.at_level("INFO", logger="prefixd.engine.budgets"):
+        assert not budgets.watch_space([("p", store)], now=0.0)
+        for t in range(10):  # refusals and successful grows flip many times a second
+            store.refusals += 1
+            store.full = t % 2 == 0
+            assert budgets.watch_space([("p", store)], now=1.0 + t / 10)
+        assert budgets.watch_space([("p", store)], now=2.0 + SPACE_CLEAR_S - 0.5)  # quiet, not long
+        assert not budgets.watch_space([("p", store)], now=2.0 + SPACE_CLEAR_S)
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    infos = [r for r in caplog.records if "room again" in r.getMessage()]
+    assert len(warnings) == 1 and "filesystem is full" in warnings[0].getMessage()
+    assert len(infos) == 1
+    assert budgets.snapshot()["out_of_space"] is False
