@@ -35,9 +35,10 @@ class Allocation:
     pinned count exact through every lock, split and residency change on the hot path.
 
     Args:
-        cache: the owner: its tree, allocators, tiering, stats, events, and
+        cache: the owner: its tree, allocators, tiering, stats, events,
             ``on_deferred_shortage`` (the engine's hook for slots quarantined until the log
-            is durable).
+            is durable) and ``on_tier_full`` (the engine's hook that makes room in a tier's
+            byte budget across pools).
     """
 
     def __init__(self, cache) -> None:
@@ -63,7 +64,17 @@ class Allocation:
         ``n`` (``open``, ``extend``): evict, retry, and ask the engine once for quarantined
         slots; ``None`` when they cannot be had."""
         alloc = self.allocators[tier]
-        self.evict(tier, n - alloc.num_free)
+        short = n - alloc.num_free
+        on_tier_full = self.cache.on_tier_full
+        if on_tier_full is not None:  # the engine: one LRU across the pools of the tier
+            fits = on_tier_full(tier, n)
+            slots = alloc.allocate(n)
+            if slots is not None:
+                return slots
+            # the budget has no bytes for it: its own blocks' slots (in extents it holds) must
+            # make the room; else only its free slots were short
+            short = n - alloc.num_free if fits else max(short, n)
+        self.evict(tier, short)
         slots = alloc.allocate(n)
         if slots is None and alloc.num_deferred and self.cache.on_deferred_shortage is not None:
             self.cache.on_deferred_shortage()
@@ -82,7 +93,9 @@ class Allocation:
         return n <= self.device.num_free or n <= self.available(path)
 
     def ensure_room(self, n: int, path=()) -> None:
-        """Like ``can_allocate``, for a request: raises instead of answering ``False``.
+        """Like ``can_allocate``, for a request: raises instead of answering ``False``. Short
+        of room in this pool, the engine's ``on_tier_full`` first evicts other pools' coldest
+        blocks of the device tier's budget (nothing of this pool changes either way).
 
         Raises:
             OutOfBlocks: naming the need and what could be had; nothing was changed.
@@ -91,6 +104,12 @@ class Allocation:
         if n > free:
             tree = self.tree  # ``available(path)``, with the free count at hand
             available = free + tree.num_blocks_in[DEVICE] - tree.pinned_device_blocks(path)
+            if n > available and self.cache.on_tier_full is not None:
+                # the tier's budget may be held by other pools: their coldest blocks go, never
+                # this pool's (what it could evict is counted already)
+                self.cache.on_tier_full(DEVICE, n - available, others_only=True)
+                free = self.device.num_free
+                available = free + tree.num_blocks_in[DEVICE] - tree.pinned_device_blocks(path)
             if n > available:
                 raise OutOfBlocks(n, available)
 

@@ -102,6 +102,22 @@ class EvictionQueue:
             return node
         return None
 
+    def peek(self):
+        """The node ``pop`` would return, left in the queue; ``None`` when empty. Stale
+        entries met on the way are dropped and changed keys re-keyed, as ``pop`` does."""
+        heap, tier, key_of = self._heap, self.tier, self.policy.key
+        while heap:
+            key, tag, node = heap[0]
+            if node.heap_tag[tier] != tag:
+                heapq.heappop(heap)
+                continue
+            current = key_of(node)
+            if current != key:
+                heapq.heapreplace(heap, (current, tag, node))
+                continue
+            return node
+        return None
+
     def set_policy(self, policy) -> None:
         """Order the queue by ``policy`` from now on (a live config change): every live entry
         is re-keyed and the heap rebuilt, O(n); stale entries are dropped on the way.

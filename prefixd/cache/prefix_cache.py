@@ -64,6 +64,7 @@ class PrefixCache:
         tiers = [t for t, a in enumerate(self.allocators) if a is not None]
         self.tree = RadixTree(block_size, root_hash, make_policy(policy), tiers)
         self.data = data
+        self.on_tier_full = None  # (tier, n): the engine makes room across a tier's pools
         self.on_deferred_shortage = None  # the durable engine commits the WAL and releases
         self.tiering = None
         if len(tiers) > 1 or write_policy != "write_through":

@@ -75,23 +75,29 @@ class Tiering:
 
     def evict(self, tier: int, num_blocks: int) -> int:
         """Free at least ``num_blocks`` slots of ``tier`` if the queue allows; returns freed."""
-        tree, freed, stats = self.tree, 0, self.cache.stats
+        tree, freed = self.tree, 0
         while freed < num_blocks:
             node = tree.pop_victim(tier)
             if node is None:
                 break
-            if self._keeps(node, tier):
-                tree.lock(node)  # the cascade below must not take the victim
-                try:
-                    if self.write_down(node, self._next_lower(tier)):
-                        stats.demoted_by_tier[tier] += node.num_blocks
-                    freed += self.drop(node, tier)
-                finally:
-                    tree.unlock(node)  # re-queues it in the tier it went down to
-            else:
-                freed += self.drop(node, tier)
-            crash_point("evict_inside")
-        stats.evicted_by_tier[tier] += freed
+            freed += self._evict_victim(node, tier)
+        self.cache.stats.evicted_by_tier[tier] += freed
+        return freed
+
+    def _evict_victim(self, node: Node, tier: int) -> int:
+        """Evict ``node`` (out of the queue already) from ``tier``; returns the slots freed."""
+        tree, stats = self.tree, self.cache.stats
+        if self._keeps(node, tier):
+            tree.lock(node)  # the cascade below must not take the victim
+            try:
+                if self.write_down(node, self._next_lower(tier)):
+                    stats.demoted_by_tier[tier] += node.num_blocks
+                freed = self.drop(node, tier)
+            finally:
+                tree.unlock(node)  # re-queues it in the tier it went down to
+        else:
+            freed = self.drop(node, tier)
+        crash_point("evict_inside")
         return freed
 
     def drop(self, node: Node, tier: int) -> int:

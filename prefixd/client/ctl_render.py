@@ -25,6 +25,14 @@ def duration(seconds: float) -> str:
     return f"{minutes}m {s}s"
 
 
+def size_text(n: int) -> str:
+    """``512 B``, ``64.0 MiB``, ``2.5 GiB``: binary units, as the budgets are written."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
 def state_line(reply: pb.StatusReply) -> str:
     """``serving``, ``recovering (replayed 1200 of 5000 log records, 24%)``, ``stopping``."""
     if reply.state != "recovering":
@@ -52,6 +60,10 @@ def status_text(reply: pb.StatusReply, socket: str) -> str:
     if reply.state == "recovering":
         lines.append("  pools     listed once recovery is done")
         return "\n".join(lines)
+    for b in reply.budgets:
+        reserve = f", {size_text(b.log_reserve_bytes)} of it kept for the logs" if b.log_reserve_bytes else ""
+        lines.append(f"  {b.tier + ' budget':<13} {size_text(b.used_bytes)} used of "
+                     f"{size_text(b.budget_bytes)} (this tenant {size_text(b.tenant_used_bytes)}{reserve})")
     if not reply.pools:
         lines.append("  pools     none yet (a pool is made by the first client that attaches "
                      "with its KV layout)")

@@ -47,6 +47,14 @@ def _get(values: dict, name: str, **labels) -> float:
     return sum(v for (n, ls), v in values.items() if n == name and want <= ls)
 
 
+def _short(n: float) -> str:
+    """``12.5M``, ``2.3G``: bytes in binary units, one letter (the screen is 80 wide)."""
+    for unit, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f}{unit}"
+    return f"{int(n)}B"
+
+
 def _rate(now: Sample, before: Sample | None, name: str, **labels) -> float | None:
     if before is None or now.t <= before.t:
         return None
@@ -126,6 +134,11 @@ def render(now: Sample, before: Sample | None) -> list[str]:
                      f"{_pct((indexed + private) / cap):>11}"
                      f"{_num(_rate(now, before, 'prefixd_evicted_blocks_total', tier=tier), '{:10.1f}')}"
                      f"{_num(_rate(now, before, 'prefixd_promoted_blocks_total', tier=tier), '{:11.1f}')}")
+    budgets = [f"{tier} {_short(_get(v, 'prefixd_used_bytes', tier=tier))}/"
+               f"{_short(_get(v, 'prefixd_budget_bytes', tier=tier))}" for tier in TIERS
+               if _get(v, "prefixd_budget_bytes", tier=tier)]
+    if budgets:  # the tenant's bytes of each tier's budget
+        lines.append("budget used  " + "  ".join(budgets))
     lines.append("")
     groups = _rate(now, before, "prefixd_wal_commit_seconds_count")
     recs = _rate(now, before, "prefixd_wal_group_records_sum")

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 # storage): magic, version, kind, data_offset, block_bytes, num_slots, file_id, layout_len.
 POOL_MAGIC = b"PFXDPOOL"
 _HEADER = struct.Struct("<8sIIQQQ16sI")
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux only
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable, as MAP_POPULATE does
 
 
 class MappedPool:
@@ -186,9 +186,8 @@ def _map_file(desc: pb.PoolDescriptor, shape, strides, dtype: torch.dtype) -> Ma
         if desc.offset + extent > size:
             raise MappingError(f"{path} is {size} bytes, too short for a pool of shape {shape} at "
                                f"offset {desc.offset}")
-        # populated, as the daemon maps it (prefixd.storage.pools NOTE): a store into the pool
-        # must not pay a page fault per 4 KB the first time this process touches it
-        mm = mmap.mmap(fd, size, mmap.MAP_SHARED | _POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        _populate_held(mm, fd, size)
     except OSError as exc:
         raise MappingError(f"cannot map pool file {path}: {exc}") from None
     finally:
@@ -199,6 +198,32 @@ def _map_file(desc: pb.PoolDescriptor, shape, strides, dtype: torch.dtype) -> Ma
     tensor = flat.as_strided(shape, strides)
     log.debug("pool mapped tier=%s path=%s shape=%s", desc.tier, path, shape)
     return MappedPool(tensor, desc.tier, path, mm)
+
+
+def _populate_held(mm: mmap.mmap, fd: int, size: int) -> None:
+    """Fault in the ranges of the file that hold pages (``SEEK_DATA`` .. ``SEEK_HOLE``), as the
+    daemon populates its own mapping (prefixd.storage.pools NOTE): a store into the pool must
+    not pay a page fault per 4 KB the first time this process touches it. The file is sparse
+    (its extents grow and shrink with the daemon's cache), so the whole range is never
+    populated: ``MAP_POPULATE`` would allocate every hole. An extent the daemon grows later
+    faults in on this process's first touch of it.
+
+    NOTE: an extent the daemon punches between the seek and the populate is allocated again
+    (zeros) until the daemon grows and punches it anew: at most a few MiB for a moment, and
+    only while mapping. A kernel before 5.14 refuses the populate: pages fault in on touch."""
+    pos = 0
+    while pos < size:
+        try:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError:  # ENXIO: no data past pos
+            return
+        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        start -= start % mmap.PAGESIZE
+        try:
+            mm.madvise(_MADV_POPULATE_WRITE, start, end - start)
+        except OSError:
+            return
+        pos = end
 
 
 def _map_cuda(desc: pb.PoolDescriptor, shape, strides) -> MappedPool:

@@ -1,9 +1,7 @@
 """Byte budgets: how much GPU memory, host memory and disk the whole daemon may take.
 
-These are the parts the byte budgets are built from: the engine does not use them yet, and
-the config reader refuses ``[engine.budget]`` and a tenant's ``max`` / ``reserved`` as unknown
-keys until it does. Once wired, the config file says it per tier, for every pool (tenant x
-layout) together::
+The engine resolves them at start (``prefixd.engine.budgets``) and every pool (tenant x layout)
+draws from them; the config file says it per tier, for every pool together::
 
     [engine.budget]
     device = "24GiB"       # a size (prefixd.config.sizes) or a percentage

@@ -17,6 +17,7 @@ policies, tenants), ``[daemon]`` is this::
     blocks_per_session = 4194304
     blocks_per_tenant = 16777216
     pools_per_tenant = 16                 # one pool per KV layout attached with
+    max_block_bytes = 67108864            # the largest KV block (bytes) a layout may have
 
     [daemon.events]                       # KV events for routers (SubscribeEvents)
     ring_size = 65536                     # events kept per tenant for a replay-from
@@ -70,6 +71,9 @@ class Limits:
     # NOTE: every new layout a client attaches with makes a pool (files, a log, memory) that
     # lives on and is opened at every start: a tenant gets a few, not one per request.
     pools_per_tenant: int = 16
+    # NOTE: one block is the unit every tier allocates and evicts; a layout whose block is
+    # larger than this is refused at Attach before any budget is looked at.
+    max_block_bytes: int = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +193,7 @@ class DaemonConfig:
             raise ConfigError(f"daemon.log_level must be one of {', '.join(LOG_LEVELS)}, got "
                               f"{self.log_level!r}")
         for key in ("sequences_per_session", "sequences_per_tenant", "blocks_per_session",
-                    "blocks_per_tenant", "pools_per_tenant"):
+                    "blocks_per_tenant", "pools_per_tenant", "max_block_bytes"):
             value = getattr(self.limits, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"daemon.limits.{key} must be an integer >= 1, got {value!r}")

@@ -17,8 +17,13 @@ ignores)::
     use_cuda = false           # true | false | "auto"
     forget_missing_tier = false
 
-    [engine.blocks]            # pool sizes in blocks, per pool (tenant x layout)
-    device = 1024
+    [engine.budget]            # bytes per tier for the whole daemon (prefixd.config.budget_settings)
+    device = "4GiB"            # a size, or a share: "5%"
+    host = "10%"
+    disk = "32GiB"
+
+    [engine.blocks]            # optional: the most blocks one pool (tenant x layout) takes
+    device = 1024              #   per tier (absent: no cap but the budget)
     host = 4096
     disk = 16384
 
@@ -28,6 +33,8 @@ ignores)::
     [[engine.tenants]]
     name = "default"
     salt = ""             # the same on every host of a fleet: it names the cluster tier's keys
+    max = { host = "8GiB" }          # optional: the most this tenant's blocks take per tier
+    reserved = { host = "1GiB" }     # optional: bytes other tenants' blocks never take from it
 
     [engine.cluster]           # optional: see prefixd.config.cluster_settings
     nodes = ["127.0.0.1:7000"]
@@ -46,6 +53,7 @@ import math
 import re
 
 from prefixd.api.layout import KVLayout
+from prefixd.config.budget_settings import BudgetSpec, Quota, check_quotas
 from prefixd.config.cluster_settings import ClusterConfig
 from prefixd.config.errors import ConfigError
 
@@ -106,13 +114,17 @@ class TierSizes:
 
 @dataclasses.dataclass(frozen=True)
 class Tenant:
-    """One tenant: a name (safe as a directory name) and the salt that enters its root hash.
+    """One tenant: a name (safe as a directory name), the salt that enters its root hash, and
+    its quota: ``max`` (the most its blocks take per tier) and ``reserved`` (bytes per tier
+    other tenants' blocks never take from it), each a ``Quota`` (a mapping is read as one).
 
     ``salt`` is bytes; a ``str`` given here is taken as UTF-8 (what a TOML file holds).
     """
 
     name: str
     salt: bytes = b""
+    max: Quota = Quota()
+    reserved: Quota = Quota()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not TENANT_NAME.fullmatch(self.name):
@@ -124,6 +136,9 @@ class Tenant:
         if not isinstance(self.salt, bytes):
             raise ConfigError(f"tenant {self.name!r}: salt must be a string or bytes, "
                               f"got {type(self.salt).__name__}")
+        for key in ("max", "reserved"):
+            object.__setattr__(self, key, Quota.of(f"tenant {self.name!r} {key}",
+                                                   getattr(self, key)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +146,10 @@ class EngineConfig:
     """Every engine setting and its default.
 
     Attributes:
-        blocks: pool sizes of every pool (each (tenant, layout) pool gets them in full).
+        budget: the bytes per tier the whole daemon may take (``[engine.budget]``); every pool
+            draws from it (``prefixd.engine.budgets``).
+        blocks: the most blocks of one pool per tier, a cap under the budget (None: no cap;
+            a table that names some tiers gives the others ``TierSizes``' defaults).
         model_blocks: ``(model_id, TierSizes)`` pairs that replace ``blocks`` for a layout.
         sync, sync_interval_ms: the WAL's fsync policy (``prefixd.wal.Wal``).
         write_policy: ``write_through`` / ``write_back`` / ``selective`` (``prefixd.cache.tiering``).
@@ -154,7 +172,8 @@ class EngineConfig:
     hands each constructor only the values it needs, so no component reads a half-valid config.
     """
 
-    blocks: TierSizes = TierSizes()
+    budget: BudgetSpec = BudgetSpec()
+    blocks: TierSizes | None = None
     model_blocks: tuple[tuple[str, TierSizes], ...] = ()
     sync: str = "commit"
     sync_interval_ms: float = 1000.0
@@ -172,7 +191,10 @@ class EngineConfig:
     cluster: ClusterConfig | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.blocks, TierSizes):
+        if not isinstance(self.budget, BudgetSpec):
+            raise ConfigError(f"engine.budget must be a BudgetSpec, got "
+                              f"{type(self.budget).__name__}")
+        if self.blocks is not None and not isinstance(self.blocks, TierSizes):
             raise ConfigError(f"engine.blocks must be TierSizes, got {type(self.blocks).__name__}")
         object.__setattr__(self, "model_blocks", tuple(tuple(p) for p in self.model_blocks))
         seen_models = set()
@@ -239,6 +261,7 @@ class EngineConfig:
                 raise ConfigError(f"tenants {salts[tenant.salt]!r} and {tenant.name!r} have the "
                                   f"same salt: give each tenant its own salt")
             salts[tenant.salt] = tenant.name
+        check_quotas(self.budget, tenants)
 
     # -- lookups --------------------------------------------------------------------------------
 
@@ -249,8 +272,9 @@ class EngineConfig:
                 return tenant
         return None
 
-    def blocks_for(self, layout: KVLayout) -> TierSizes:
-        """The pool sizes of a pool of ``layout`` (its model's override, else ``blocks``)."""
+    def blocks_for(self, layout: KVLayout) -> TierSizes | None:
+        """The cap on a pool of ``layout`` (its model's override, else ``blocks``; None: no
+        cap but the budget)."""
         for model_id, sizes in self.model_blocks:
             if model_id == layout.model_id:
                 return sizes

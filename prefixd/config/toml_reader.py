@@ -16,6 +16,7 @@ import tomllib
 from collections.abc import Mapping
 from typing import Any
 
+from prefixd.config.budget_settings import BudgetSpec
 from prefixd.config.cluster_settings import CLUSTER_KEYS, ClusterConfig
 from prefixd.config.daemon_settings import (DaemonConfig, EventsConfig, Limits, MetricsConfig,
                                             TenantSocket)
@@ -26,7 +27,7 @@ from prefixd.config.kv_events_settings import KVEventsConfig
 SCALAR_KEYS = ("sync", "sync_interval_ms", "write_policy", "eviction", "verify",
                "checkpoint_records", "checkpoint_blocks", "spill_blocks", "reclaim_grace_s",
                "shm_dir", "use_cuda", "forget_missing_tier")
-ENGINE_KEYS = SCALAR_KEYS + ("blocks", "tenants", "cluster")
+ENGINE_KEYS = SCALAR_KEYS + ("budget", "blocks", "tenants", "cluster")
 _TIER_KEYS = ("device", "host", "disk")
 
 
@@ -101,11 +102,16 @@ def engine_config(table: Mapping[str, Any]) -> EngineConfig:
     kwargs = {key: table[key] for key in SCALAR_KEYS if key in table}
     if kwargs.get("use_cuda") == "auto":
         kwargs["use_cuda"] = None
+    if "budget" in table:
+        budget = _table("engine.budget", table["budget"])
+        refuse_unknown("engine.budget", budget, _TIER_KEYS)
+        kwargs["budget"] = BudgetSpec(**budget)
     if "blocks" in table:
         blocks = _table("engine.blocks", table["blocks"])
         refuse_unknown("engine.blocks", blocks, _TIER_KEYS + ("models",))
         default = TierSizes(**{k: blocks[k] for k in _TIER_KEYS if k in blocks})
-        kwargs["blocks"] = default
+        if any(k in blocks for k in _TIER_KEYS):
+            kwargs["blocks"] = default
         models = []
         for model_id, sizes in _table("engine.blocks.models", blocks.get("models", {})).items():
             where = f'engine.blocks.models."{model_id}"'
@@ -130,14 +136,15 @@ def _tenants(tenants) -> tuple[Tenant, ...]:
     parsed = []
     for i, entry in enumerate(tenants):
         entry = _table(f"engine.tenants[{i}]", entry)
-        refuse_unknown(f"engine.tenants[{i}]", entry, ("name", "salt"))
+        refuse_unknown(f"engine.tenants[{i}]", entry, ("name", "salt", "max", "reserved"))
         if "name" not in entry:
             raise ConfigError(f"[[engine.tenants]] number {i + 1} has no name: "
                               f"add name = \"...\"")
         salt = entry.get("salt", "")
         if not isinstance(salt, str):
             raise ConfigError(f"tenant {entry['name']!r}: salt must be a string, got {salt!r}")
-        parsed.append(Tenant(entry["name"], salt))
+        parsed.append(Tenant(entry["name"], salt, **{k: entry[k] for k in ("max", "reserved")
+                                                     if k in entry}))
     return tuple(parsed)
 
 

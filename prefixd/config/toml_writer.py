@@ -34,21 +34,30 @@ def engine_table(config: EngineConfig) -> dict[str, Any]:
     Raises:
         ConfigError: a tenant salt that is not UTF-8 text (TOML holds only text).
     """
-    blocks: dict[str, Any] = dataclasses.asdict(config.blocks)
+    blocks: dict[str, Any] = {} if config.blocks is None else dataclasses.asdict(config.blocks)
     if config.model_blocks:
         blocks["models"] = {m: dataclasses.asdict(s) for m, s in config.model_blocks}
     table: dict[str, Any] = {key: getattr(config, key) for key in SCALAR_KEYS}
     table["use_cuda"] = "auto" if config.use_cuda is None else config.use_cuda
     if config.checkpoint_blocks is None:
         del table["checkpoint_blocks"]
-    table["blocks"] = blocks
+    budget = {tier: getattr(config.budget, tier).text for tier in ("device", "host", "disk")
+              if getattr(config.budget, tier) is not None}
+    if budget:
+        table["budget"] = budget
+    if blocks:
+        table["blocks"] = blocks
     tenants = []
     for t in config.tenants:
         try:
-            tenants.append({"name": t.name, "salt": t.salt.decode()})
+            entry = {"name": t.name, "salt": t.salt.decode()}
         except UnicodeDecodeError:
             raise ConfigError(f"tenant {t.name!r}: its salt is not UTF-8 text and cannot be "
                               f"written to a TOML file; use a text salt") from None
+        for key in ("max", "reserved"):
+            if getattr(t, key).as_table():
+                entry[key] = getattr(t, key).as_table()
+        tenants.append(entry)
     table["tenants"] = tenants
     if config.cluster is not None:
         table["cluster"] = cluster_table(config.cluster)
@@ -87,6 +96,11 @@ def _toml_value(value) -> str:
     raise ConfigError(f"cannot write {value!r} as a TOML value")
 
 
+def _inline(table: Mapping[str, Any]) -> str:
+    """A TOML inline table of scalars (a tenant's ``max = { host = "8GiB" }``)."""
+    return "{ " + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in table.items()) + " }"
+
+
 def _dump_table(name: str, table: Mapping[str, Any], lines: list[str]) -> None:
     """Append ``[name]`` and its keys: scalars, then sub-tables, then arrays of tables."""
     if lines:
@@ -105,4 +119,5 @@ def _dump_table(name: str, table: Mapping[str, Any], lines: list[str]) -> None:
             continue
         for item in value:
             lines.extend(("", f"[[{name}.{_toml_key(key)}]]"))
-            lines.extend(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in item.items())
+            lines.extend(f"{_toml_key(k)} = {_inline(v) if isinstance(v, Mapping) else _toml_value(v)}"
+                         for k, v in item.items())

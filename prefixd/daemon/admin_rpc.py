@@ -70,6 +70,12 @@ class AdminRpcs:
                                                        num_kv_heads=lay.num_kv_heads,
                                                        head_dim=lay.head_dim, dtype=lay.dtype,
                                                        block_size=lay.block_size))
+            snap = core.engine.budgets.snapshot()
+            for tier in ("device", "host", "disk"):
+                t = snap[tier]
+                reply.budgets.add(tier=tier, budget_bytes=t["budget"], used_bytes=t["used"],
+                                  tenant_used_bytes=t["by_tenant"].get(self.tenant, 0),
+                                  log_reserve_bytes=snap["log_reserve"] if tier == "disk" else 0)
         return reply
 
     @rpc

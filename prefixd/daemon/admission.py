@@ -1,14 +1,21 @@
-"""Whether a pool is big enough for a client, checked at Attach.
+"""Whether a client's layout gets a useful pool, checked at Attach, before any file is made.
 
-A pool is sized by the operator (``[engine.blocks]``, per model ``[engine.blocks.models."<id>"]``)
-and every request a client opens takes device blocks for its whole prompt. A pool whose device
-tier holds fewer blocks than one request of the client's ``max_model_len`` cannot serve such a
-request at all: the client would miss on it forever while the daemon says nothing. So:
+Every pool draws from the daemon's byte budgets (``prefixd.engine.budgets``): a pool's blocks
+per tier are its tier's budget in whole blocks, capped by ``[engine.blocks]`` (per model
+``[engine.blocks.models."<id>"]``), and every request a client opens takes device blocks for
+its whole prompt. So an Attach is refused with RESOURCE_EXHAUSTED, naming the budget or the
+cap, what it holds, and the key to raise, when:
 
-- a client that sends ``max_model_len`` (``AttachRequest.max_model_len``) is refused at Attach
-  with RESOURCE_EXHAUSTED naming the pool's size, what one request needs, and the key to raise;
-- a client that does not (0) is let in, and the daemon logs ONE WARNING per pool whose device
-  tier is below ``FLOOR_TOKENS``.
+- its layout's block is larger than ``[daemon.limits] max_block_bytes``;
+- the device tier cannot hold one request of the client's ``max_model_len``
+  (``AttachRequest.max_model_len``), or a single block when the client does not say it;
+- one such request (its extents and its files' headers) is more than its tenant may ever
+  hold in a tier: its ``max``, and the tier's budget less every other tenant's ``reserved``.
+  What other pools hold now is not a reason: a new pool's first extents are made room for by
+  the cross-pool LRU (``Engine.make_room_for``) before its files are made.
+
+A client that does not send ``max_model_len`` (0) is let in above one block, and the daemon
+logs ONE WARNING per pool whose device tier is below ``FLOOR_TOKENS``.
 
 NOTE: the floor is 1,024 tokens: a chat prompt with a system prompt and a few turns is longer,
 so a pool below it serves next to nothing; pools of the test suite (256 blocks of 4 tokens)
@@ -30,36 +37,29 @@ FLOOR_TOKENS = 1024
 _warned: set[tuple[str, KVLayout]] = set()  # pools already warned about (once per daemon)
 
 
-def check_attach(config, tenant: str, layout: KVLayout, max_model_len: int) -> None:
-    """Refuse (RESOURCE_EXHAUSTED) a client whose one longest request cannot fit the pool of
-    ``layout``; warn once per pool below the floor when the client's length is unknown.
+def check_attach(budgets, tenant: str, layout: KVLayout, max_model_len: int, *,
+                 max_block_bytes: int | None = None) -> None:
+    """Refuse (RESOURCE_EXHAUSTED) an Attach whose pool cannot be useful or cannot fit (see the
+    module docstring); warn once per pool below the floor when the client's length is unknown.
 
     Args:
-        config: the engine's config (``blocks_for(layout)`` gives the pool's tier sizes).
+        budgets: the engine's ``Budgets`` (pool sizes, ledgers, the keys to name).
         max_model_len: the client's longest request in tokens; 0 when unknown.
+        max_block_bytes: ``[daemon.limits] max_block_bytes`` (None: no limit).
     Raises:
         RpcFailure: RESOURCE_EXHAUSTED, with what to raise.
     """
-    device = config.blocks_for(layout).device
+    if max_block_bytes is not None and layout.block_bytes > max_block_bytes:
+        raise exhausted(f"layout {layout.model_id!r} has blocks of {layout.block_bytes} bytes, more "
+                        f"than [daemon.limits] max_block_bytes = {max_block_bytes}: raise it, or "
+                        f"use a smaller block_size")
+    why = budgets.refusal(tenant, layout, max_model_len)
+    if why is not None:
+        raise exhausted(why)
+    device = budgets.pool_sizes(layout)[0]
     bs = layout.block_size
-    key = _key_to_raise(config, layout)
-    if max_model_len:
-        need = -(-max_model_len // bs)
-        if device < need:
-            raise exhausted(f"the pool of layout {layout.model_id!r} holds {device} device blocks "
-                            f"({device * bs} tokens of block_size {bs}); one request of the client's "
-                            f"max_model_len={max_model_len} needs {need} blocks: raise {key} to at least "
-                            f"{need} (or run the client with a smaller max_model_len)")
-        return
-    if device * bs < FLOOR_TOKENS and (tenant, layout) not in _warned:
+    if not max_model_len and device * bs < FLOOR_TOKENS and (tenant, layout) not in _warned:
         _warned.add((tenant, layout))
         log.warning("pool too small to be useful tenant=%s model_id=%s device_blocks=%d tokens=%d floor_tokens=%d: "
-                    "raise %s (the client did not say its max_model_len)", tenant, layout.model_id, device,
-                    device * bs, FLOOR_TOKENS, key)
-
-
-def _key_to_raise(config, layout: KVLayout) -> str:
-    """The config key that sizes this layout's device tier."""
-    if any(model_id == layout.model_id for model_id, _ in config.model_blocks):
-        return f'[engine.blocks.models."{layout.model_id}"] device'
-    return "[engine.blocks] device"
+                    "raise %s device or [engine.budget] device (the client did not say its max_model_len)",
+                    tenant, layout.model_id, device, device * bs, FLOOR_TOKENS, budgets.cap_key(layout))

@@ -128,6 +128,7 @@ def snapshot(core) -> list[Family]:
     if core.engine is not None:
         for (tenant, layout), dc in core.engine.pool_items():
             _pool(add, {"tenant": tenant, "model": layout.model_id}, dc, layout.block_size)
+        _budgets(add, core.engine.budgets.snapshot())
     by_tenant: dict[str, int] = {t.name: 0 for t in core.engine_config.tenants}
     for session in core.sessions:
         by_tenant[session.tenant] = by_tenant.get(session.tenant, 0) + 1
@@ -160,6 +161,20 @@ def _loop_lag(add, core) -> None:
         worst)
     add("prefixd_loop_lag_seconds", "histogram", "event loop lag: how late a 5 ms timer fires "
         "(every call waits as long)", {}, lag.histogram())
+
+
+def _budgets(add, snap: dict) -> None:
+    """The byte budgets' families (``prefixd.engine.budgets``): per tier, and per tenant."""
+    for tier in TIERS:
+        add("prefixd_budget_bytes", "gauge", "the tier's byte budget ([engine.budget])",
+            {"tier": tier}, snap[tier]["budget"])
+        for tenant, n in sorted(snap[tier]["by_tenant"].items()):
+            add("prefixd_used_bytes", "gauge", "bytes the tier's pool files take, by tenant",
+                {"tier": tier, "tenant": tenant}, n)
+    add("prefixd_log_reserve_bytes", "gauge", "disk bytes of the budget kept for the logs", {},
+        snap["log_reserve"])
+    add("prefixd_filesystem_full", "gauge", "1 while a pool file meets a full filesystem "
+        "(commits go on through the host tier; grows are retried)", {}, int(snap["out_of_space"]))
 
 
 def _events(add, core) -> None:
@@ -246,6 +261,14 @@ def _pool(add, pool: dict, dc, block_size: int) -> None:
                 "the log is durable)", labels | {"state": state}, n)
         add("prefixd_capacity_blocks", "gauge", "pool size in blocks", labels, alloc.num_slots)
         add("prefixd_free_blocks", "gauge", "free blocks", labels, alloc.num_free)
+        add("prefixd_grow_refusals", "counter", "grows of the tier's pool file refused: its "
+            "budget was full, or the filesystem was (ENOSPC, EDQUOT)", labels,
+            dc.store.grow_refusals(t))
+        refusals, full = dc.store.no_space(t)
+        add("prefixd_no_space_refusals", "counter", "grows of the tier's pool file the "
+            "filesystem refused (ENOSPC, EDQUOT)", labels, refusals)
+        add("prefixd_out_of_space", "gauge", "1 while the tier's pool file cannot grow for a "
+            "full filesystem", labels, int(full))
         for name, help_, values in (
                 ("prefixd_evicted_blocks", "blocks evicted from a tier", st.evicted_by_tier),
                 ("prefixd_demoted_blocks", "blocks copied down before their eviction, by the "

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import struct
 
 import grpc
@@ -69,26 +68,6 @@ def layout_of(msg: pb.KVLayout) -> KVLayout:
         raise invalid(f"bad KV layout: {exc}") from None
 
 
-def _check_pool_fits(config, state_dir: str, layout: KVLayout) -> None:
-    """RESOURCE_EXHAUSTED unless a new pool of ``layout`` fits where its files go: DEVICE
-    (unless on a GPU) and HOST in ``shm_dir``, DISK in the state directory. Checked before
-    the engine makes any file: a pool file made before a later one fails stays behind."""
-    device, host, disk = config.blocks_for(layout).as_tuple()
-    shm = host + (device if config.use_cuda is not True else 0)
-    os.makedirs(config.shm_dir, exist_ok=True)
-    need: dict[int, list] = {}
-    for where, blocks in ((config.shm_dir, shm), (state_dir, disk)):
-        entry = need.setdefault(os.stat(where).st_dev, [where, 0])
-        entry[1] += blocks * layout.block_bytes
-    for where, nbytes in need.values():
-        st = os.statvfs(where)
-        free = st.f_bavail * st.f_frsize
-        if nbytes > free:
-            raise exhausted(f"a pool of layout {layout.model_id!r} needs {nbytes} bytes in "
-                            f"{where}, which has {free} free: use a smaller layout, or ask the "
-                            f"operator for a smaller [engine.blocks.models.\"{layout.model_id}\"]")
-
-
 def attach_wait_s(remaining: float | None) -> float | None:
     """How long an Attach waits for its pool: until ``ATTACH_REPLY_S`` before the call's
     deadline (``remaining`` seconds away; None: no deadline, as long as it takes)."""
@@ -138,7 +117,8 @@ class PrefixCacheService(pb_grpc.PrefixCacheServicer):
 
     async def _pool(self, layout: KVLayout, wait_s: float | None):
         """The tenant's pool of ``layout``; a new one only within the tenant's pool limit and
-        when its files fit (RESOURCE_EXHAUSTED otherwise), made off the loop
+        when its files' first extents fit the budgets (RESOURCE_EXHAUSTED otherwise: Attach
+        checked them, ``TierStore`` charges them before it makes a file), made off the loop
         (``OffLoop.pool``), waited for at most ``wait_s`` (then UNAVAILABLE: it is still
         being made).
 
@@ -152,8 +132,8 @@ class PrefixCacheService(pb_grpc.PrefixCacheServicer):
         if layout in mine:
             return engine.pool(self.tenant, layout)
         if not offloop.is_making(self.tenant, layout):  # else its checks passed when it began
-            _check_pool_fits(self.core.engine_config, self.core.state_dir, layout)
             self.core.sessions.check_new_pool(self.tenant, len(mine) + offloop.making(self.tenant))
+            engine.make_room_for(self.tenant, layout)  # its first extents, from the coldest blocks
         try:
             pool = await offloop.pool(engine, self.tenant, layout, wait_s)
         except StorageError as exc:
@@ -169,7 +149,9 @@ class PrefixCacheService(pb_grpc.PrefixCacheServicer):
     async def Attach(self, request, context):
         layout = layout_of(request.layout)
         name = request.client_name[:128] or "unnamed"
-        admission.check_attach(self.core.engine_config, self.tenant, layout, request.max_model_len)
+        admission.check_attach(self.core.engine.budgets, self.tenant, layout,
+                               request.max_model_len,
+                               max_block_bytes=self.core.config.limits.max_block_bytes)
         # a new layout's pool is made off the loop; the Attach waits for it until just before
         # its deadline, then answers UNAVAILABLE (retry): never a deadline the client cannot
         # know, and the session is made only once the pool is (a caller gone meanwhile leaves

@@ -34,7 +34,8 @@ from prefixd.engine.checkpoint import CheckpointTrigger
 from prefixd.engine.kv_io import PoolKV
 from prefixd.engine.reclaim import Reclaimed
 from prefixd.engine.errors import DurabilityError
-from prefixd.cache.node import DISK, HOST
+from prefixd.api.tiers import Tier
+from prefixd.cache.node import DEVICE, DISK, HOST
 from prefixd.engine.ordered_log import OrderedLog
 from prefixd.wal.tickets import DONE_NONE, done, failed
 from prefixd.engine.records import CHECKPOINT_BLOCKS
@@ -83,6 +84,8 @@ class DurableCache:
         progress: a ``prefixd.engine.progress.RecoveryProgress`` that counts replayed records.
         cluster: a ``ClusterConfig``: the Redis Cluster tier below disk (write-behind of
             committed blocks, fetch on a local miss: ``prefixd.engine.cluster_tier``), or None.
+        ledgers, tenant: the ``BudgetLedger`` of each ``Tier`` the pool files are charged to,
+            under ``tenant`` (None: unbounded ledgers of the pool's own).
 
     NOTE (checkpoint trigger): see ``prefixd.engine.records.CHECKPOINT_BLOCKS``.
 
@@ -99,7 +102,8 @@ class DurableCache:
                  checkpoint_records: int = 100_000, checkpoint_blocks: int = CHECKPOINT_BLOCKS,
                  spill_blocks: int = 256,
                  use_cuda: bool | None = False, sync_interval_ms: float = 1000.0,
-                 forget_missing_tier: bool = False, progress=None, cluster=None) -> None:
+                 forget_missing_tier: bool = False, progress=None, cluster=None,
+                 ledgers=None, tenant: str = "default") -> None:
         if verify not in ("lazy", "eager"):
             raise ValueError(f"verify must be 'lazy' or 'eager', got {verify!r}")
         sizes = tuple(num_blocks)
@@ -114,6 +118,7 @@ class DurableCache:
         self.spill_blocks = spill_blocks
         self.forget_missing_tier = forget_missing_tier
         self.progress = progress  # a ``RecoveryProgress`` to count replayed records into, or None
+        self.shared_clock = None  # the engine's ``tier_lru.SharedClock``: keys compare across pools
         self.cluster = None  # a ``ClusterTier`` once recovered, if configured
         os.makedirs(state_dir, exist_ok=True)
         self.wal = Wal(state_dir, layouts=layout.to_bytes(), sync=sync, interval_ms=sync_interval_ms)
@@ -128,7 +133,8 @@ class DurableCache:
                 rec = recover(self.wal, state_dir, layout, sizes, tenant_salt=tenant_salt,
                               write_policy=write_policy, policy=policy, verify=verify,
                               shm_dir=shm_dir, use_cuda=use_cuda,
-                              forget_missing_tier=forget_missing_tier, progress=progress, t0=t0)
+                              forget_missing_tier=forget_missing_tier, progress=progress, t0=t0,
+                              ledgers=ledgers, tenant=tenant)
                 self.cache, self.store = rec.cache, rec.store
                 self.kv = PoolKV(self.cache, self.store, layout)  # the KV API (``kv_io``)
                 self.recovered = rec.recovered  # seq id -> ``RecoveredSeq``, waiting for reclaim
@@ -343,7 +349,20 @@ class DurableCache:
         """The log step (``Upkeep.log_step``): drain the cache's events into the ordered
         queue, then the periodic work. Returns the position of the last record this call
         logged. ``open`` passes ``keep_headroom=False`` (see ``Upkeep.log_step``'s NOTE)."""
-        return self.upkeep.log_step(session_id, keep_headroom)
+        pos = self.upkeep.log_step(session_id, keep_headroom)
+        if self.shared_clock is not None:
+            self.shared_clock.leave(self.cache.tree)
+        return pos
+
+    @poison_on_storage_error
+    def settle_room(self, tier: int) -> int:
+        """After evictions another pool of the tier asked for (``prefixd.engine.tier_lru``):
+        log the drops, make them durable so their slots are released, and give back the
+        extents left idle. Returns the bytes given back to the tier's budget."""
+        self._log()
+        if tier != DEVICE:
+            self.upkeep.force_release()
+        return self.store.shrink(Tier(tier))
 
     # -- periodic work -------------------------------------------------------------------------
 
@@ -399,7 +418,10 @@ class DurableCache:
 
     def _expire_if_due(self) -> None:
         """Release the unclaimed recovered sequences once ``reclaim_grace_s`` has passed; run
-        first by every mutating call, so that expiry never depends on ``tick`` being called."""
+        first by every mutating call, so that expiry never depends on ``tick`` being called.
+        First of all, the pool's clock catches up with the engine's (``shared_clock``)."""
+        if self.shared_clock is not None:
+            self.shared_clock.enter(self.cache.tree)
         if self.recovered and time.monotonic() >= self._reclaim_deadline:
             self.expire_recovered()
 

@@ -4,13 +4,17 @@ On disk::
 
     <state_dir>/lock                                   the engine's flock (holder's pid inside)
     <state_dir>/pools/<tenant>/<model>-<digest16>/     one DurableCache state directory per pool
-        pool.json                                      manifest: tenant, layout bytes, salt print
+        pool.json                                      manifest: tenant, layout bytes, salt print,
+                                                       slots per tier (fixed when the pool is made)
         lock, wal/, *.disk.pool                        the pool's own (see DurableCache)
 
 Opening the engine takes the lock, then opens (recovering) every pool found under ``pools/``;
 ``pool(tenant, layout)`` opens or creates one. The manifest is what makes a pool recoverable
 by name: it is written (and fsynced, with its directory entries) before the pool's WAL exists,
-so a pool directory either has a manifest or was never used.
+so a pool directory either has a manifest or was never used. A pool keeps the slots per tier
+its manifest says: its files are sized to the budgets of when it was made (sparse: they take
+only what they hold), so a budget changed later bounds its bytes through the ledgers and
+never makes its files disagree with their headers.
 """
 
 from __future__ import annotations
@@ -25,9 +29,13 @@ from typing import NamedTuple
 
 from prefixd.api.layout import KVLayout
 from prefixd.config.engine_settings import EngineConfig, Tenant
+from prefixd.config.budget_settings import Machine
+from prefixd.engine.budgets import Budgets
 from prefixd.engine.durable import DurableCache
 from prefixd.engine.errors import EngineError, PoolDirError, UnknownTenantError
 from prefixd.engine.progress import RecoveryProgress
+from prefixd.engine.tier_lru import PoolRoom, SharedClock, TierLRU
+from prefixd.wal.env import ENV_DIR
 from prefixd.wal.lock import StateDirLock
 
 log = logging.getLogger(__name__)
@@ -81,9 +89,9 @@ class Engine:
             before it binds a socket); the engine takes it itself when None.
         progress: counts the log records replayed while the pools recover (read by the
             daemon's Status from another thread).
-        config: every setting (default: ``EngineConfig()``). Each pool gets the configured
-            pool sizes in full (``config.blocks_for(layout)``): with P pools the engine may use
-            P times the configured memory and disk; a budget shared across pools is future work.
+        config: every setting (default: ``EngineConfig()``). Every pool draws from one byte
+            budget per tier (``budgets``, ``prefixd.engine.budgets``); ``config.blocks_for``
+            caps one pool's blocks.
 
     Raises (on open):
         StateLockedError: another engine (in this or another process) holds ``state_dir``; the
@@ -117,9 +125,16 @@ class Engine:
         self._pools: dict[tuple[str, KVLayout], DurableCache] = {}
         self._event_listener = None  # see ``set_event_listener``
         self.unconfigured: list[str] = []  # pool directories of tenants no longer configured
+        # one clock for every pool's eviction keys, and one LRU across the pools of a tier
+        self.clock = SharedClock()
+        self._rooms: dict[tuple[str, KVLayout], PoolRoom] = {}
         try:
-            for tenant, layout in self._found():
-                self._pools[(tenant.name, layout)] = self._open(tenant, layout)
+            self.budgets = Budgets(self.config, self.state_dir,
+                                   Machine.probe(self.state_dir, _gpu_total(self.config.use_cuda)))
+            self.tier_lru = TierLRU(self.budgets.ledgers, self._rooms.items)
+            for tenant, layout, sizes in self._found():
+                self._pools[(tenant.name, layout)] = dc = self._open(tenant, layout, sizes)
+                self._join(dc, tenant.name, layout)
         except BaseException:
             try:
                 self.close()
@@ -142,6 +157,7 @@ class Engine:
         dc = self._pools.get((tenant, layout))
         if dc is not None:
             return dc
+        self.make_room_for(tenant, layout)
         return self.add_pool(tenant, layout, self.make_pool(tenant, layout))
 
     def make_pool(self, tenant: str, layout: KVLayout) -> DurableCache:
@@ -159,8 +175,18 @@ class Engine:
             raise UnknownTenantError(tenant, [t.name for t in self.config.tenants])
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
-        _write_manifest(self.pool_path(tenant, layout), conf, layout)
-        return self._open(conf, layout)
+        sizes = self.budgets.pool_sizes(layout)
+        _write_manifest(self.pool_path(tenant, layout), conf, layout, sizes)
+        return self._open(conf, layout, sizes)
+
+    def make_room_for(self, tenant: str, layout: KVLayout) -> None:
+        """Evict the least recently used blocks across the pools of each tier (``TierLRU``)
+        until a new pool of ``tenant`` and ``layout`` finds its first extents in the budgets;
+        on the engine's thread, before ``make_pool`` (which then charges them)."""
+        self._check_open()
+        for tier, nbytes in enumerate(self.budgets.first_extents(layout)):
+            if nbytes:
+                self.tier_lru.make_room_bytes(tenant, tier, nbytes)
 
     def add_pool(self, tenant: str, layout: KVLayout, dc: DurableCache) -> DurableCache:
         """Make ``dc`` (from ``make_pool``) the engine's pool of ``tenant`` and ``layout``."""
@@ -169,6 +195,7 @@ class Engine:
             raise EngineError(f"a pool of tenant {tenant!r} and model {layout.model_id!r} "
                               f"exists already: make each pool once")
         self._pools[(tenant, layout)] = dc
+        self._join(dc, tenant, layout)
         self._listen(dc, tenant, layout)
         log.info("pool created tenant=%s model=%s path=%s", tenant, layout.model_id,
                  self.pool_path(tenant, layout))
@@ -199,6 +226,14 @@ class Engine:
         for (tenant, layout), dc in self._pools.items():
             self._listen(dc, tenant, layout)
 
+    def _join(self, dc: DurableCache, tenant: str, layout: KVLayout) -> None:
+        """Make ``dc`` one of the pools whose eviction keys and tier budgets are shared."""
+        dc.shared_clock = self.clock
+        self.clock.enter(dc.cache.tree)
+        self.clock.leave(dc.cache.tree)
+        self._rooms[(tenant, layout)] = PoolRoom(tenant, dc)
+        dc.cache.on_tier_full = functools.partial(self.tier_lru.make_room, (tenant, layout))
+
     def _listen(self, dc: DurableCache, tenant: str, layout: KVLayout) -> None:
         listener = self._event_listener
         dc.event_listener = (None if listener is None
@@ -214,7 +249,11 @@ class Engine:
         """Every pool's periodic work (spill, expire unclaimed recovered sequences). Every pool
         is ticked even if one fails; the first failure is raised after."""
         self._check_open()
-        self._each(lambda dc: dc.tick())
+        try:
+            self._each(lambda dc: dc.tick())
+        finally:
+            self.budgets.watch_space((f"{t}/{layout.model_id}", dc.store)
+                                     for (t, layout), dc in self._pools.items())
 
     def checkpoint(self) -> dict[tuple[str, KVLayout], int]:
         """Checkpoint every pool; returns each pool's checkpoint lsn."""
@@ -235,7 +274,10 @@ class Engine:
         try:
             self._each(lambda dc: dc.close())
         finally:
+            for tenant, _ in self._pools:
+                self.budgets.release_log(tenant)
             self._pools.clear()
+            self._rooms.clear()
             self._lock.release()
             self._lock = None
 
@@ -255,6 +297,7 @@ class Engine:
             assert dc.store.name not in names, f"two pools share shm file name {dc.store.name}"
             names.add(dc.store.name)
             dc.check_invariants()
+        self.budgets.check_invariants()
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -273,11 +316,20 @@ class Engine:
         if first is not None:
             raise first
 
-    def _open(self, tenant: Tenant, layout: KVLayout) -> DurableCache:
-        sizes = self.config.blocks_for(layout).as_tuple()
+    def _open(self, tenant: Tenant, layout: KVLayout, sizes) -> DurableCache:
+        """Open (recovering) the pool; ``sizes`` in slots per tier, as its manifest says (None:
+        a manifest from before budgets, sized by the budgets now)."""
+        sizes = sizes or self.budgets.pool_sizes(layout)
         os.makedirs(self.config.shm_dir, exist_ok=True)
-        return DurableCache(self.pool_path(tenant.name, layout), layout, sizes,
-                            progress=self.progress, **cache_kwargs(self.config, tenant))
+        dc = DurableCache(self.pool_path(tenant.name, layout), layout, sizes,
+                          progress=self.progress, ledgers=self.budgets.by_tier(),
+                          tenant=tenant.name, **cache_kwargs(self.config, tenant))
+        try:
+            self.budgets.reserve_log(tenant.name, os.path.join(dc.state_dir, ENV_DIR, "data.mdb"))
+        except BaseException:
+            dc.close()
+            raise
+        return dc
 
     def _found(self) -> list[tuple[Tenant, KVLayout]]:
         """The pools on disk whose tenant is configured, each checked against its manifest."""
@@ -297,14 +349,26 @@ class Engine:
                 self.unconfigured.append(tenant_dir)
                 continue
             for name in sorted(os.listdir(tenant_dir)):
-                layout = _read_manifest(os.path.join(tenant_dir, name), tenant)
-                if layout is not None:
-                    found.append((tenant, layout))
+                read = _read_manifest(os.path.join(tenant_dir, name), tenant)
+                if read is not None:
+                    found.append((tenant, *read))
         return found
 
 
-def _read_manifest(path: str, tenant: Tenant) -> KVLayout | None:
-    """The layout of the pool in ``path``, checked; None for a creation that never finished.
+def _gpu_total(use_cuda: bool | None) -> int | None:
+    """The GPU's memory when the device tier is on it (what a ``device`` percentage is of)."""
+    if use_cuda is False:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory
+
+
+def _read_manifest(path: str, tenant: Tenant) -> tuple[KVLayout, tuple | None] | None:
+    """The layout of the pool in ``path`` and its sizes in slots per tier (None in a manifest
+    from before byte budgets), checked; None for a creation that never finished.
 
     Raises:
         PoolDirError: no manifest beside pool data, a damaged one, or one that disagrees with
@@ -331,6 +395,11 @@ def _read_manifest(path: str, tenant: Tenant) -> KVLayout | None:
                              f"{MANIFEST_FORMAT}")
         layout = KVLayout.from_bytes(bytes.fromhex(meta["layout"]))
         tenant_name, printed = meta["tenant"], meta["salt_print"]
+        sizes = meta.get("num_slots")
+        if sizes is not None:
+            sizes = tuple(int(n) for n in sizes)
+            if len(sizes) != 3 or min(sizes) < 0:
+                raise ValueError(f"num_slots {sizes!r} is not three slot counts")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise PoolDirError(path, f"{MANIFEST} cannot be read ({exc}): restore it from a backup, "
                            f"or move the directory out of the state directory") from exc
@@ -343,16 +412,17 @@ def _read_manifest(path: str, tenant: Tenant) -> KVLayout | None:
                            f"pool was made, and its blocks were named under the old one: restore "
                            f"the old salt in [[engine.tenants]], or delete the directory to "
                            f"drop that cache")
-    return layout
+    return layout, sizes
 
 
-def _write_manifest(path: str, tenant: Tenant, layout: KVLayout) -> None:
+def _write_manifest(path: str, tenant: Tenant, layout: KVLayout, sizes) -> None:
     """Write ``path/pool.json`` durably (file, then every new directory entry up to the state
     directory) before anything else is put in ``path``."""
     os.makedirs(path, mode=0o750, exist_ok=True)
     data = json.dumps({"format": MANIFEST_FORMAT, "tenant": tenant.name,
                        "model_id": layout.model_id, "layout": layout.to_bytes().hex(),
-                       "salt_print": salt_print(tenant.salt)}, indent=1).encode()
+                       "salt_print": salt_print(tenant.salt),
+                       "num_slots": list(sizes)}, indent=1).encode()
     tmp = os.path.join(path, MANIFEST + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
     try:

@@ -82,13 +82,14 @@ class Recovered(NamedTuple):
 
 def recover(wal, state_dir: str, layout, num_blocks, *, tenant_salt: bytes, write_policy: str, policy: str,
             verify: str, shm_dir: str, use_cuda, forget_missing_tier: bool, progress,
-            t0: float) -> Recovered:
+            t0: float, ledgers=None, tenant: str = "default") -> Recovered:
     """Rebuild a ``DurableCache``'s state from ``wal`` and the pool files of ``state_dir``.
 
     ``forget_missing_tier``: a disk pool file that is gone while the index names blocks in it
     is refused (``TierLostError``) unless it is set; then those blocks are dropped from the
     index and counted in ``phases["forgotten_blocks"]``. ``t0``: when opening began (the
-    ``open_s`` phase).
+    ``open_s`` phase). ``ledgers`` (by ``Tier``) and ``tenant``: whom the pool files are
+    charged to (``TierStore``).
 
     Raises:
         WalCorruptError: the log or the checkpoint is damaged (a record that does not fit the
@@ -101,6 +102,7 @@ def recover(wal, state_dir: str, layout, num_blocks, *, tenant_salt: bytes, writ
     """
     run = _Recovery(wal, state_dir, layout, tuple(num_blocks), tenant_salt, shm_dir, use_cuda,
                     forget_missing_tier)
+    run.ledgers, run.tenant = ledgers, tenant
     try:
         return run.recover(write_policy, policy, verify, progress, t0)
     except BaseException as exc:
@@ -124,6 +126,7 @@ class _Recovery:
         self.shm_dir = shm_dir
         self.use_cuda = use_cuda
         self.forget_missing_tier = forget_missing_tier
+        self.ledgers, self.tenant = None, "default"  # whom the pool files are charged to
         self.store: TierStore | None = None  # once opened
         self.replaced_pool: str | None = None  # a pool file made for a lost one
 
@@ -244,7 +247,8 @@ class _Recovery:
             lost = self.replaced_pool = disk_path
         self.store = TierStore(layout, {Tier.DEVICE: sizes[0], Tier.HOST: sizes[1], Tier.DISK: sizes[2]},
                                state_dir=state_dir, shm_dir=self.shm_dir, name=name,
-                               fresh=first_start, file_ids=saved_ids, use_cuda=self.use_cuda)
+                               fresh=first_start, file_ids=saved_ids, use_cuda=self.use_cuda,
+                               ledgers=self.ledgers, tenant=self.tenant)
         root = root_hash(wal.root_seed, self.tenant_salt, layout.digest())
         cache = PrefixCache(sizes, layout.block_size, root_hash=root, policy=policy,
                             data=self.store, write_policy=write_policy)

@@ -75,6 +75,42 @@ class ExtentMap:
         """Bytes extent ``k`` takes once allocated (its length up to whole pages)."""
         return -(-self.byte_range(k)[1] // PAGE) * PAGE
 
+    def extent_of(self, slot: int) -> int:
+        """The extent slot ``slot``'s first byte is in. Raises ValueError: out of range."""
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot must be in [0, {self.num_slots}), got {slot}")
+        return (self.data_offset + slot * self.block_bytes) // self.extent_bytes
+
+    def slots_of(self, k: int) -> range:
+        """The slots that touch extent ``k``. Raises ValueError: out of range."""
+        if not 0 <= k < self.num_extents:
+            raise ValueError(f"extent must be in [0, {self.num_extents}), got {k}")
+        start, length = self.byte_range(k)
+        first = max(0, start - self.data_offset) // self.block_bytes
+        last = -(-(start + length - self.data_offset) // self.block_bytes)
+        return range(min(first, self.num_slots), max(0, min(last, self.num_slots)))
+
+    def count_run(self, first: int, end: int, counts: dict[int, int]) -> None:
+        """Add to ``counts`` (a ``touched``) the slots ``[first, end)`` by arithmetic, not by
+        slot: a run of thousands costs what one extent does."""
+        off, bb, ext = self.data_offset, self.block_bytes, self.extent_bytes
+        for k in range((off + first * bb) // ext, (off + end * bb - 1) // ext + 1):
+            lo = max(first, (k * ext - off) // bb) if k * ext > off else first
+            hi = min(end, -(-((k + 1) * ext - off) // bb))
+            if hi > lo:
+                counts[k] = counts.get(k, 0) + hi - lo
+
+    def straddler(self, k: int) -> int:
+        """The slot that starts in extent ``k`` and ends in ``k + 1`` (-1: none)."""
+        off, bb, ext = self.data_offset, self.block_bytes, self.extent_bytes
+        end = (k + 1) * ext
+        if end <= off:
+            return -1
+        s = (end - off - 1) // bb  # the slot holding the extent's last byte
+        if s >= self.num_slots or off + (s + 1) * bb <= end or off + s * bb < k * ext:
+            return -1
+        return s
+
     def _check_range(self, slots: list[int]) -> None:
         if slots and (min(slots) < 0 or max(slots) >= self.num_slots):
             raise ValueError(f"slots must be in [0, {self.num_slots}), got "
@@ -144,6 +180,11 @@ class ExtentMap:
     def is_allocated(self, k: int) -> bool:
         return bool(self._allocated[k])
 
+    def first_hole(self, k: int) -> int:
+        """The lowest extent ``>= k`` that is not allocated (``num_extents`` if none)."""
+        found = self._allocated.find(0, k)
+        return self.num_extents if found < 0 else found
+
     def users_of(self, k: int) -> int:
         return self._users[k]
 
@@ -191,6 +232,10 @@ class ExtentMap:
                 idle.discard(k)
             elif before and not after and k and self._allocated[k]:
                 idle.add(k)
+
+    @property
+    def num_idle(self) -> int:
+        return len(self._idle)
 
     def idle(self) -> list[int]:
         """Allocated extents (not the header's) that no slot in use touches, ascending."""

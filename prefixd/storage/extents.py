@@ -10,9 +10,9 @@ memory, so a pool that grows or shrinks never makes them remap.
 Every byte it holds is charged to its tier's ``BudgetLedger`` under its tenant, extent by
 extent, so ``ledger.used_bytes`` is what the tier's files take (``st_blocks * 512``).
 
-This module, ``extent_map``, ``falloc`` and ``budget_ledger`` are the parts the byte budgets
-are built from; the engine does not use them yet: its pools are still preallocated files sized
-by ``[engine.blocks]`` (``poolfile.create_pool_file``).
+The shm and disk pools (``prefixd.storage.pools``) are files of this kind; their slots are
+handed out by ``prefixd.storage.extent_slots.ExtentSlotAllocator``, which calls ``take``,
+``give_back``, ``shrink`` and ``recover`` in the order below.
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ class SparsePoolFile:
                                     extent_bytes)
         self.charged = 0
         self._punch_ok = True
+        self.on_grow = None  # called with (offset, length) of each run of extents grown
         first = self.extent_map.charge(0)
         ledger.charge(tenant, first)
         try:
@@ -110,8 +111,9 @@ class SparsePoolFile:
 
     # -- grow ---------------------------------------------------------------------------------
 
-    def take(self, slots) -> bool:
+    def take(self, slots, touched: dict[int, int] | None = None) -> bool:
         """Make ``slots`` usable and count them in use: grow every extent they touch first.
+        ``touched``: ``extent_map.touched(slots)``, when the caller has it.
 
         Returns:
             False, with nothing taken or charged, when the budget has no room for the
@@ -123,7 +125,7 @@ class SparsePoolFile:
             ValueError: a slot out of range.
         """
         em = self.extent_map
-        touched = em.touched(slots)
+        touched = em.touched(slots) if touched is None else touched
         missing = em.missing(touched=touched)
         if missing and not self._grow(missing):
             return False
@@ -153,6 +155,8 @@ class SparsePoolFile:
                 for k in run:
                     em.mark_allocated(k)
                     done += em.charge(k)
+                if self.on_grow is not None:
+                    self.on_grow(offset, end - offset)
             if self.durable:
                 os.fsync(self.fd)
         except BaseException:
@@ -165,12 +169,12 @@ class SparsePoolFile:
 
     # -- shrink -------------------------------------------------------------------------------
 
-    def give_back(self, slots) -> None:
+    def give_back(self, slots, touched: dict[int, int] | None = None) -> None:
         """Count ``slots`` no longer in use. Call only once no committed record names them
-        (free before reuse: see the class docstring).
+        (free before reuse: see the class docstring). ``touched``: as for ``take``.
 
         Raises ValueError: a slot out of range."""
-        self.extent_map.add_users(slots, -1)
+        self.extent_map.add_users(slots, -1, touched=touched)
 
     def shrink(self, keep_idle: int = 0) -> int:
         """Punch idle extents (no slot in use), keeping the ``keep_idle`` lowest ones allocated

@@ -47,6 +47,30 @@ def allocate(fd: int, path: str, offset: int, length: int) -> None:
                            f"failed: {exc}") from exc
 
 
+def reserve(fd: int, path: str, offset: int, length: int) -> None:
+    """Give ``[offset, offset + length)`` its blocks without changing the file's size
+    (``FALLOC_FL_KEEP_SIZE``): a file that grows by writes (LMDB's ``data.mdb``) then grows
+    into blocks it already has, so those writes cannot meet ENOSPC.
+
+    Raises:
+        NoSpaceError: ENOSPC, EDQUOT or EFBIG (the path and the bytes asked).
+        PunchUnsupportedError: no fallocate with a mode here (libc or filesystem).
+        StorageError: any other error.
+    """
+    if _fallocate is None:
+        raise PunchUnsupportedError(f"libc has no fallocate: cannot reserve room in {path}")
+    if _fallocate(fd, FALLOC_FL_KEEP_SIZE, offset, length) == 0:
+        return
+    err = ctypes.get_errno()
+    if err in _NO_SPACE:
+        raise NoSpaceError(path, length, os.strerror(err))
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS):
+        raise PunchUnsupportedError(f"the filesystem of {path} cannot reserve room "
+                                    f"({os.strerror(err)})")
+    raise StorageError(f"reserving {length} bytes at offset {offset} of {path} failed: "
+                       f"{os.strerror(err)}")
+
+
 def punch(fd: int, path: str, offset: int, length: int) -> None:
     """Give back the blocks of ``[offset, offset + length)``; the size stays and the range
     reads as zeros.

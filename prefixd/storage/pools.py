@@ -10,11 +10,16 @@ NOTE: disk pools are not mapped. ``pwrite`` + ``fsync`` and writes through a map
 ``msync`` cost the same, and cold ``preadv`` is within noise of a cold mapped read; but a mapped disk file that is truncated behind our back turns the next load into SIGBUS,
 which kills the daemon, while ``preadv`` just returns short and the block fails its checksum.
 
-NOTE: a pool file is mapped with ``MAP_POPULATE`` (``POPULATE``): its pages are in this
-process's page tables from the start, as a GPU host's pinned pool is (``cudaHostRegister``
-faults every page in). A page fault costs what a 4 KB copy costs dozens of times over, and
-without it the first touch of every page of the pool, after every start, pays one on the
-serving path (docs/design.md, "Storage tiers").
+Both file-backed pools are sparse (``prefixd.storage.extents.SparsePoolFile``): the file is as
+large as its ``num_blocks`` and a hole until extents are grown for the slots handed out
+(``prefixd.storage.extent_slots``). A CUDA pool is allocated whole.
+
+NOTE: a shm pool is mapped without ``MAP_POPULATE``, which would allocate the whole hole; each
+extent is populated as it grows (``madvise(MADV_POPULATE_WRITE)`` on its range): its pages are
+in this process's page tables before a slot in it is handed out, as a GPU host's pinned pool
+is (``cudaHostRegister`` faults every page in). A page fault costs what a 4 KB copy costs
+dozens of times over, and without it the first touch of every page, after every start, pays
+one on the serving path (docs/design.md, "Storage tiers").
 """
 
 from __future__ import annotations
@@ -28,14 +33,19 @@ import threading
 import torch
 
 from prefixd.api.layout import KVLayout
+from prefixd.api.tiers import DEVICE, DISK, HOST, TIER_NAMES
 from prefixd.storage import poolfile
+from prefixd.storage.budget_ledger import BudgetLedger
 from prefixd.storage.errors import PoolFileMissingError, StorageError
+from prefixd.storage.extents import SparsePoolFile
 from prefixd.storage.poolfile import PoolHeader
 
 log = logging.getLogger(__name__)
 
 POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in on first touch
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault the pages in writable, as MAP_POPULATE does
+UNBOUNDED = 1 << 62  # a pool's own ledger when it is given none: no budget
+DEFAULT_TENANT = "default"
 
 
 def _libc_madvise():
@@ -51,41 +61,57 @@ def _libc_madvise():
 _madvise = _libc_madvise() if POPULATE else None
 
 
-def _map_populated(fd: int, nbytes: int) -> mmap.mmap:
-    """``fd`` mapped shared, read-write, every page faulted in (``MAP_POPULATE``'s effect).
+def _populate(address: int, nbytes: int) -> None:
+    """Fault ``nbytes`` of a shared mapping from ``address`` in, writable (best effort: a
+    kernel before 5.14 refuses, and the pages then fault in on first touch).
 
-    NOTE: populated by ``madvise(MADV_POPULATE_WRITE)`` through ctypes, which releases the
-    GIL for the call: CPython's ``mmap.mmap`` holds it through a ``MAP_POPULATE`` mapping,
-    and a pool made beside the daemon's event loop (``prefixd.daemon.offloop``) held the loop
-    for the whole populate (about a second for 768 MB of tmpfs). A kernel without
-    it (before 5.14) gets ``MAP_POPULATE``.
+    NOTE: through ctypes, which releases the GIL for the call: a pool grown or recovered
+    beside the daemon's event loop (``prefixd.daemon.offloop``) does not hold the loop while
+    its pages fault in (about a second for 768 MB of tmpfs).
     """
-    rw = mmap.PROT_READ | mmap.PROT_WRITE
-    if _madvise is None:
-        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED | POPULATE, rw)
-    mapping = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, rw)
-    view = (ctypes.c_char * nbytes).from_buffer(mapping)
+    if _madvise is not None and nbytes > 0:
+        _madvise(address, nbytes, MADV_POPULATE_WRITE)
+
+
+def _mapping_address(mapping: mmap.mmap) -> int:
+    view = ctypes.c_char.from_buffer(mapping)
     try:
-        done = _madvise(ctypes.addressof(view), nbytes, MADV_POPULATE_WRITE) == 0
+        return ctypes.addressof(view)
     finally:
         del view
-    if done:
-        return mapping
-    mapping.close()
-    return mmap.mmap(fd, nbytes, mmap.MAP_SHARED | POPULATE, rw)
 
 
-def _open_or_create(path: str, header: PoolHeader, fresh: bool, file_id: bytes | None) -> tuple[int, PoolHeader]:
-    """Create (``fresh``, or no file and no expected id) or open and check the pool file.
+def open_sparse(path: str, header: PoolHeader, *, fresh: bool, file_id: bytes | None,
+                ledger: BudgetLedger | None, tenant: str, durable: bool) -> SparsePoolFile:
+    """Create (``fresh``, or no file and no expected id) or open and check a sparse pool file,
+    charged to ``ledger`` (None: a ledger of its own, unbounded).
 
     Raises:
         PoolFileMissingError: ``file_id`` names a file that should exist and does not.
+        SpaceError, NoSpaceError, BudgetExceededError, HeaderMismatchError: see ``SparsePoolFile``.
     """
     if not fresh and file_id is not None and not os.path.exists(path):
         raise PoolFileMissingError(path, file_id)
-    if fresh or not os.path.exists(path):
-        return poolfile.create_pool_file(path, header), header
-    return poolfile.open_pool_file(path, header, expect_file_id=file_id is not None)
+    if ledger is None:
+        ledger = BudgetLedger(f"kind {header.kind}", UNBOUNDED)
+    return SparsePoolFile(path, header, ledger=ledger, tenant=tenant, durable=durable,
+                          fresh=fresh, expect_file_id=file_id is not None)
+
+
+def open_pool(layout: KVLayout, tier: int, num_blocks: int, *, state_dir: str, shm_dir: str,
+              name: str, fresh: bool, file_id: bytes | None, cuda: bool, ledger: BudgetLedger,
+              tenant: str) -> "TensorPool | DiskPool":
+    """The pool of ``tier`` (``prefixd.api.tiers``): DISK in ``state_dir/<name>.disk.pool``; a
+    CUDA tensor for DEVICE when ``cuda``; else ``shm_dir/<name>.<tier>.pool``. Raises what the
+    pools' constructors raise."""
+    if tier == DISK:
+        return DiskPool(layout, tier, num_blocks, path=os.path.join(state_dir, f"{name}.disk.pool"),
+                        fresh=fresh, file_id=file_id, ledger=ledger, tenant=tenant)
+    if tier == DEVICE and cuda:  # pragma: no cover - needs a GPU
+        return TensorPool(layout, tier, num_blocks, path=None)
+    path = os.path.join(shm_dir, f"{name}.{TIER_NAMES[tier]}.pool")
+    return TensorPool(layout, tier, num_blocks, path=path, fresh=fresh, file_id=file_id,
+                      pin=tier == HOST and cuda, ledger=ledger, tenant=tenant)
 
 
 def _header(layout: KVLayout, kind: int, num_blocks: int, file_id: bytes | None) -> PoolHeader:
@@ -102,14 +128,18 @@ class TensorPool:
         memory (zero copy) for hashing and ``pwrite``; ``None`` on CUDA.
         ``path``/``file_id``: the shm pool file and its id (``None`` for a CUDA pool).
 
+        ``sparse``: the shm file (``SparsePoolFile``; None on CUDA).
+
     Invariants: ``tensor`` and ``rows`` alias the same bytes; the mapping spans the whole file.
 
-    NOTE: the shm file is created with ``posix_fallocate`` like a disk file: tmpfs pages are
-    otherwise reserved on first touch, and a store into a full tmpfs is a SIGBUS, not an error.
+    NOTE: every extent of the shm file is fallocated before a slot in it is handed out: tmpfs
+    pages are otherwise reserved on first touch, and a store into a full tmpfs is a SIGBUS, not
+    an error.
     """
 
     def __init__(self, layout: KVLayout, kind: int, num_blocks: int, *, path: str | None,
-                 fresh: bool = False, file_id: bytes | None = None, pin: bool = False) -> None:
+                 fresh: bool = False, file_id: bytes | None = None, pin: bool = False,
+                 ledger: BudgetLedger | None = None, tenant: str = DEFAULT_TENANT) -> None:
         """Map (or allocate) the pool.
 
         Args:
@@ -118,8 +148,10 @@ class TensorPool:
             file_id: expected id of an existing file (``None``: do not check), id of a new one
                 (``fresh``); a file that is expected and missing is refused.
             pin: page-lock the mapping for fast DMA (``cudaHostRegister``; CUDA only).
+            ledger, tenant: who the file's extents are charged to (``open_sparse``).
         Raises:
-            SpaceError: the file does not fit; HeaderMismatchError: an existing file is another pool's;
+            SpaceError: the header's extent does not fit; BudgetExceededError: nor its budget;
+            HeaderMismatchError: an existing file is another pool's;
             PoolFileMissingError: ``file_id`` was given, ``fresh`` was not, and the file is gone.
         """
         self.layout = layout
@@ -128,17 +160,25 @@ class TensorPool:
         self.path = path
         self._mmap: mmap.mmap | None = None
         self._pinned_ptr: int | None = None
+        self.sparse: SparsePoolFile | None = None
         if path is None:
             self.file_id = None
             self.tensor = torch.zeros(layout.pool_shape(num_blocks), dtype=layout.torch_dtype(), device="cuda")
             self.raw = self.tensor.view(num_blocks, -1).view(torch.uint8)
             self.rows = None
             return
-        fd, header = _open_or_create(path, _header(layout, kind, num_blocks, file_id), fresh, file_id)
+        self.sparse = open_sparse(path, _header(layout, kind, num_blocks, file_id), fresh=fresh,
+                                  file_id=file_id, ledger=ledger, tenant=tenant, durable=False)
+        header = self.sparse.header
         try:
-            self._mmap = _map_populated(fd, header.file_bytes)
-        finally:
-            os.close(fd)
+            self._mmap = mmap.mmap(self.sparse.fd, header.file_bytes, mmap.MAP_SHARED,
+                                   mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            self.sparse.close()
+            raise
+        self._address = _mapping_address(self._mmap)
+        _populate(self._address, self.sparse.extent_map.charge(0))
+        self.sparse.on_grow = self._populate
         self.file_id = header.file_id
         raw = torch.frombuffer(self._mmap, dtype=torch.uint8, count=num_blocks * layout.block_bytes,
                                offset=header.data_offset) if num_blocks else torch.empty(0, dtype=torch.uint8)
@@ -156,6 +196,10 @@ class TensorPool:
     def is_cuda(self) -> bool:
         return self.tensor.is_cuda
 
+    def _populate(self, offset: int, nbytes: int) -> None:
+        """A grown range of the file: its pages into the page tables (module NOTE)."""
+        _populate(self._address + offset, nbytes)
+
     def descriptor(self) -> dict:
         """What a client needs to map this pool (the Attach reply's pool descriptor)."""
         return {
@@ -170,6 +214,9 @@ class TensorPool:
             self._pinned_ptr = None
         self.tensor = self.raw = self.rows = None
         self._mmap = None  # unmapped when the last tensor view is freed
+        if self.sparse is not None:
+            self.sparse.on_grow = None
+            self.sparse.close()
 
     def check_invariants(self) -> None:
         if self.tensor is None:
@@ -181,9 +228,10 @@ class TensorPool:
 
 
 class DiskPool:
-    """A tier held in one preallocated pool file, moved with ``preadv``/``pwritev``.
+    """A tier held in one sparse pool file, moved with ``preadv``/``pwritev``.
 
-    Data structure: ``fd`` open O_RDWR on ``path``; slot ``s`` lives at
+    Data structure: ``sparse`` the file (``SparsePoolFile``, fsynced after each grow), ``fd``
+    its descriptor; slot ``s`` lives at
     ``data_offset + s * block_bytes``; ``dirty`` says whether bytes were written since the last
     ``sync``.
 
@@ -192,14 +240,17 @@ class DiskPool:
     """
 
     def __init__(self, layout: KVLayout, kind: int, num_blocks: int, *, path: str,
-                 fresh: bool = False, file_id: bytes | None = None) -> None:
+                 fresh: bool = False, file_id: bytes | None = None,
+                 ledger: BudgetLedger | None = None, tenant: str = DEFAULT_TENANT) -> None:
         """Open or create the pool file; same Args and Raises as ``TensorPool``."""
         self.layout = layout
         self.kind = kind
         self.num_blocks = num_blocks
         self.path = path
         self.block_bytes = layout.block_bytes
-        self.fd, header = _open_or_create(path, _header(layout, kind, num_blocks, file_id), fresh, file_id)
+        self.sparse = open_sparse(path, _header(layout, kind, num_blocks, file_id), fresh=fresh,
+                                  file_id=file_id, ledger=ledger, tenant=tenant, durable=True)
+        self.fd, header = self.sparse.fd, self.sparse.header
         self.file_id = header.file_id
         self.data_offset = header.data_offset
         self.dirty = False
@@ -267,9 +318,8 @@ class DiskPool:
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self.sparse.close()
+        self.fd = -1
 
     def check_invariants(self) -> None:
         if self.fd >= 0:

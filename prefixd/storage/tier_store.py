@@ -3,9 +3,17 @@
 API (slots are lists of ints, one per block; positions in the lists pair source and destination)::
 
     store = TierStore(layout, {Tier.DEVICE: n0, Tier.HOST: n1, Tier.DISK: n2},
-                      state_dir=..., shm_dir="/dev/shm", name=None, fresh=False, file_ids=None)
+                      state_dir=..., shm_dir="/dev/shm", name=None, fresh=False, file_ids=None,
+                      ledgers=None, tenant="default")
     store.tiers                                  # the present tiers (a tier with 0 blocks is absent)
     store.allocator(tier) -> SlotAllocator       # owned by the cache core; storage never allocates
+                                                 # (an ExtentSlotAllocator for a sparse pool file)
+    store.held_bytes(tier) -> int                # what the tier's file takes (charged to its ledger)
+    store.extent_of(tier, slot) -> int           # the extent a slot starts in
+    store.extent_slots(tier, extent) -> range    # the slots that keep an extent allocated
+    store.shrink(tier) -> int                    # punch every idle extent; the bytes given back
+    store.grow_refusals(tier) -> int             # grows the budget or the filesystem refused
+    store.no_space(tier) -> (int, bool)          # ... the filesystem refused; the last did
     store.file_ids -> dict[Tier, bytes]          # persist these; pass them back as file_ids= on reopen
     store.descriptor(tier) -> dict               # shm path, offset, shape, strides, dtype (Attach)
     store.copy(src_tier, src_slots, dst_tier, dst_slots, *, verify=None, durable=False, checksums=True) -> CopyResult
@@ -42,8 +50,10 @@ from prefixd.api.tiers import DEVICE, DISK, Tier
 from prefixd.crashpoints import crash_point
 from prefixd.storage import checksum, movement
 from prefixd.storage.block_io import BlockIO, host_rows, row_slots
+from prefixd.storage.budget_ledger import BudgetLedger
+from prefixd.storage.extent_slots import ExtentSlotAllocator
 from prefixd.storage.movement import CopyResult, Staging
-from prefixd.storage.pools import DiskPool, TensorPool
+from prefixd.storage.pools import DEFAULT_TENANT, UNBOUNDED, DiskPool, TensorPool, open_pool
 from prefixd.storage.slots import SlotAllocator
 from prefixd.storage.spill_buffers import SpillBuffers
 from prefixd.storage.write_behind import DiskWriter
@@ -59,6 +69,12 @@ class TierStore:
     Data structure: ``_pools[tier]`` is a ``TensorPool`` (DEVICE, HOST) or a ``DiskPool`` (DISK);
     ``_allocators[tier]`` counts its free slots. Files: DISK in ``state_dir/<name>.disk.pool``;
     HOST, and DEVICE when there is no GPU, in ``shm_dir/<name>.<tier>.pool``.
+
+    Byte budgets: every pool file but a CUDA pool is sparse, charged extent by extent to its
+    tier's ``BudgetLedger`` (``ledgers``: one per tier, shared by every pool) under ``tenant``;
+    its ``ExtentSlotAllocator`` grows, refuses (``None``: the cache evicts in this pool) and
+    punches. A cross-pool evictor empties an extent of its choice (``extent_of``,
+    ``extent_slots``) and gives its bytes back with ``shrink``.
 
     Invariants: every present tier has a pool and an allocator of the same size; absent tiers
     have neither.
@@ -83,7 +99,8 @@ class TierStore:
 
     def __init__(self, layout: KVLayout, num_blocks: Mapping[Tier, int], *, state_dir: str,
                  shm_dir: str = "/dev/shm", name: str | None = None, fresh: bool = False,
-                 file_ids: Mapping[Tier, bytes] | None = None, use_cuda: bool | None = None) -> None:
+                 file_ids: Mapping[Tier, bytes] | None = None, use_cuda: bool | None = None,
+                 ledgers: Mapping[Tier, BudgetLedger] | None = None, tenant: str = DEFAULT_TENANT) -> None:
         """Open (or create) the pools.
 
         Args:
@@ -93,8 +110,12 @@ class TierStore:
             fresh: replace existing pool files instead of reopening them.
             file_ids: the ids the caller persisted for existing files; a mismatch is refused.
             use_cuda: put DEVICE on the GPU (default: when CUDA is available).
+            ledgers: the ledger each tier's file is charged to; None (or a tier missing): each
+                tier gets its own unbounded ledger.
+            tenant: whom the files are charged to.
         Raises:
-            SpaceError: a tier does not fit (message has the asked and free bytes).
+            SpaceError: a tier's header extent does not fit (message has the asked and free bytes).
+            BudgetExceededError: nor its ledger.
             HeaderMismatchError: an existing file belongs to another layout, version or file id.
             PoolFileMissingError: a tier in ``file_ids`` has no file (never recreated under the
                 saved id: an empty file would pass for the one the caller's index describes).
@@ -102,7 +123,7 @@ class TierStore:
         self.layout = layout
         self.name = name or f"prefixd-{layout.digest().hex()[:16]}"
         cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
-        file_ids = file_ids or {}
+        file_ids, ledgers = file_ids or {}, ledgers or {}
         self._pools: dict[Tier, TensorPool | DiskPool] = {}
         self._allocators: dict[Tier, SlotAllocator] = {}
         try:
@@ -112,18 +133,13 @@ class TierStore:
                     raise ValueError(f"num_blocks[{tier.name}] must be >= 0, got {n}")
                 if n == 0:
                     continue
-                fid = file_ids.get(tier)
-                if tier is Tier.DISK:
-                    pool = DiskPool(layout, tier, n, path=os.path.join(state_dir, f"{self.name}.disk.pool"),
-                                    fresh=fresh, file_id=fid)
-                elif tier is Tier.DEVICE and cuda:  # pragma: no cover - needs a GPU
-                    pool = TensorPool(layout, tier, n, path=None)
-                else:
-                    path = os.path.join(shm_dir, f"{self.name}.{tier.name.lower()}.pool")
-                    pool = TensorPool(layout, tier, n, path=path, fresh=fresh, file_id=fid,
-                                      pin=tier is Tier.HOST and cuda)
+                ledger = ledgers.get(tier) or BudgetLedger(tier.name.lower(), UNBOUNDED)
+                pool = open_pool(layout, tier, n, state_dir=state_dir, shm_dir=shm_dir, name=self.name,
+                                 fresh=fresh, file_id=file_ids.get(tier), cuda=cuda, ledger=ledger,
+                                 tenant=tenant)
                 self._pools[tier] = pool
-                self._allocators[tier] = SlotAllocator(n)
+                self._allocators[tier] = (SlotAllocator(n) if pool.sparse is None else
+                                          ExtentSlotAllocator(pool.sparse, recovered=fresh))
         except BaseException:
             self._close_pools()
             raise
@@ -132,6 +148,9 @@ class TierStore:
         self._staging = Staging(layout.block_bytes, pin=cuda) if Tier.DISK in self._pools else None
         self.write_behind = False
         self._writer = DiskWriter(self._sync_disk, self._pools[Tier.DISK].path) if Tier.DISK in self._pools else None
+        if self._writer is not None and isinstance(self._allocators[Tier.DISK], ExtentSlotAllocator):
+            # a queued write into a punched extent would allocate it again behind the ledger
+            self._allocators[Tier.DISK].may_shrink = self._writer.idle
         self._spill_buffers = SpillBuffers(layout.block_bytes) if self._writer is not None else None
         # reads, writes and checksums by slot (``read``, ``write``, ``checksum``, ``verify``)
         self.blocks = BlockIO(layout, self.pool, self._check_range, self._writer, self._staging, self._helper)
@@ -145,6 +164,46 @@ class TierStore:
 
     def allocator(self, tier: Tier) -> SlotAllocator:
         return self._allocators[self._present(tier)]
+
+    def held_bytes(self, tier: Tier) -> int:
+        """Bytes the tier's pool file takes, as charged to its ledger (0 for a CUDA pool)."""
+        sparse = self.pool(tier).sparse
+        return 0 if sparse is None else sparse.charged
+
+    def extent_of(self, tier: Tier, slot: int) -> int:
+        """The extent of the tier's file that ``slot`` starts in (0 for a CUDA pool).
+        Raises ValueError: out of range."""
+        alloc = self.allocator(tier)
+        return alloc.extent_of(slot) if isinstance(alloc, ExtentSlotAllocator) else 0
+
+    def extent_slots(self, tier: Tier, extent: int) -> range:
+        """The slots that keep ``extent`` allocated: once all are free (released from the
+        quarantine), ``shrink`` gives it back. Raises ValueError: out of range."""
+        alloc = self.allocator(tier)
+        if isinstance(alloc, ExtentSlotAllocator):
+            return alloc.extent_slots(extent)
+        if extent:
+            raise ValueError(f"{Tier(tier).name} is not sparse: its one extent is 0")
+        return range(alloc.num_slots)
+
+    def shrink(self, tier: Tier) -> int:
+        """Punch every idle extent of the tier's file; returns the bytes given back to its
+        ledger. Raises StorageError: a punch failed (not one the filesystem cannot do)."""
+        alloc = self.allocator(tier)
+        return alloc.shrink() if isinstance(alloc, ExtentSlotAllocator) else 0
+
+    def grow_refusals(self, tier: Tier) -> int:
+        """Grows of the tier's file refused so far (budget full, ENOSPC or EDQUOT)."""
+        alloc = self.allocator(tier)
+        return alloc.grow_refusals if isinstance(alloc, ExtentSlotAllocator) else 0
+
+    def no_space(self, tier: Tier) -> tuple[int, bool]:
+        """Grows the filesystem refused so far (ENOSPC, EDQUOT), and whether the last one tried
+        was refused so (False again once a grow succeeds: the daemon's metric and warning)."""
+        alloc = self.allocator(tier)
+        if not isinstance(alloc, ExtentSlotAllocator):
+            return 0, False
+        return alloc.no_space_refusals, alloc.out_of_space
 
     def read(self, tier: Tier, slots: Sequence[int]) -> torch.Tensor:
         """A copy of the blocks (``BlockIO.read``)."""

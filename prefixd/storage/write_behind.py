@@ -130,6 +130,11 @@ class DiskWriter:
             self._cv.notify_all()
             return fut
 
+    def idle(self) -> bool:
+        """Whether every job submitted so far has run (a racy read, exact for the thread that
+        submits: nothing it queued is still waiting)."""
+        return self._written == self._submitted
+
     @property
     def failure(self) -> BaseException | None:
         return self._failure

@@ -44,7 +44,7 @@ from typing import NamedTuple
 
 from prefixd.api.layout import KVLayout
 from prefixd.api.tiers import DISK
-from prefixd.config.engine_settings import EngineConfig
+from prefixd.config.engine_settings import EngineConfig, TierSizes
 from prefixd.config.toml_reader import engine_config
 from prefixd.engine.engine import MANIFEST, POOLS_DIR, cache_kwargs
 from prefixd.storage.poolfile import HEADER_BYTES, PoolHeader
@@ -157,7 +157,7 @@ def check_pool(pool: str, scratch: str, config: EngineConfig, progress=None) -> 
     kwargs.update(verify="lazy", sync="none", shm_dir=os.path.join(scratch, "shm"),
                   reclaim_grace_s=3600.0, forget_missing_tier=False)
     os.makedirs(kwargs["shm_dir"])
-    sizes = list(config.blocks_for(layout).as_tuple())
+    sizes = list((config.blocks_for(layout) or TierSizes()).as_tuple())  # disk: the file's own
     if num_slots is not None:
         sizes[DISK] = num_slots
     try:

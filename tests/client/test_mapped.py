@@ -14,11 +14,14 @@ from prefixd.client.handles import Sequence
 from prefixd.client.mapped import map_pool
 from prefixd.client.wire import pack_tokens
 from prefixd.kernels import layer_kv, reference
+from prefixd.storage.extent_slots import ExtentSlotAllocator
+from prefixd.storage.extents import EXTENT_BYTES
 from prefixd.storage.pools import TensorPool
 from tests.storage.proc_maps import need_populate, resident_bytes
 
 LAYOUT = KVLayout("mapped-test", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", block_size=4)
 NUM_BLOCKS = 32
+BIG_BLOCKS = 5 * EXTENT_BYTES // LAYOUT.block_bytes  # five extents
 
 
 @pytest.fixture
@@ -55,15 +58,45 @@ def test_a_mapped_pool_aliases_the_daemons_memory_both_ways(daemon_pool):
     assert torch.equal(daemon_pool.tensor[5], torch.full_like(daemon_pool.tensor[5], -2.0))
 
 
-def test_the_client_maps_the_pool_populated(daemon_pool):
-    """A mapped store never pays a page fault per 4 KB on its first touch: the client's
-    mapping is populated as the daemon's is. Counted apart from the daemon's own mapping
-    (both are this process's here): the client's adds every page again."""
+def test_the_client_maps_the_held_extents_populated_and_not_the_hole(tmp_path):
+    """A mapped store never pays a page fault per 4 KB on its first touch of a held extent:
+    the client's mapping is populated where the daemon's file holds pages, and only there
+    (the rest of the sparse file is a hole that populating would allocate). Counted apart
+    from the daemon's own mapping (both are this process's here): the client's adds every
+    held page again."""
     need_populate()
-    before = resident_bytes(daemon_pool.path)
-    mapped = map_pool(descriptor(daemon_pool), LAYOUT)
-    assert resident_bytes(daemon_pool.path) - before >= NUM_BLOCKS * LAYOUT.block_bytes
-    del mapped
+    pool = TensorPool(LAYOUT, 0, BIG_BLOCKS, path=str(tmp_path / "device.pool"), fresh=True)
+    try:
+        alloc = ExtentSlotAllocator(pool.sparse, recovered=True)
+        alloc.allocate(3 * EXTENT_BYTES // LAYOUT.block_bytes)  # extents 0..3 held, of 5
+        held = pool.sparse.charged
+        before = resident_bytes(pool.path)
+        mapped = map_pool(descriptor(pool), LAYOUT)
+        added = resident_bytes(pool.path) - before
+        assert held == 4 * EXTENT_BYTES and added >= held
+        assert added < 5 * EXTENT_BYTES
+        del mapped
+    finally:
+        pool.close()
+
+
+def test_a_client_reads_and_writes_a_slot_of_an_extent_grown_after_it_mapped(tmp_path):
+    pool = TensorPool(LAYOUT, 0, BIG_BLOCKS, path=str(tmp_path / "device.pool"), fresh=True)
+    try:
+        alloc = ExtentSlotAllocator(pool.sparse, recovered=True)
+        mapped = map_pool(descriptor(pool), LAYOUT)
+        before = os.stat(pool.path).st_blocks
+        slots = alloc.allocate(3 * EXTENT_BYTES // LAYOUT.block_bytes)
+        assert os.stat(pool.path).st_blocks > before  # extents grown after the mapping
+        last = slots[-1]
+        assert alloc.extent_of(last) >= 2
+        pool.tensor[last].copy_(torch.arange(pool.tensor[last].numel(), dtype=torch.float32).view_as(pool.tensor[last]))
+        assert torch.equal(mapped.tensor[last], pool.tensor[last])
+        mapped.tensor[last - 1].fill_(3.5)
+        assert torch.equal(pool.tensor[last - 1], torch.full_like(pool.tensor[last - 1], 3.5))
+        del mapped
+    finally:
+        pool.close()
 
 
 def test_mapped_write_and_read_go_through_the_block_table(daemon_pool):

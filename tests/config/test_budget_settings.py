@@ -1,8 +1,8 @@
 """Byte budgets: sizes as written, ``BudgetSpec``, tenants' ``max`` / ``reserved``, the
 defaults, resolution against a machine and every error message, tested on
 ``prefixd.config.sizes`` and ``prefixd.config.budget_settings`` directly; and that a config
-file with ``[engine.budget]`` or a tenant's ``max`` / ``reserved`` is refused, since nothing
-enforces them yet."""
+file's ``[engine.budget]`` and tenants' ``max`` / ``reserved`` load, write back, and are
+checked when the file is read."""
 
 import dataclasses
 
@@ -23,16 +23,33 @@ TENANTS = (TenantQuota("acme", max={"host": "8GiB", "disk": "50%"}, reserved={"h
            TenantQuota("globex", reserved={"disk": "100GB", "device": 536870912}))
 
 
-def test_budget_keys_in_a_config_file_are_refused_as_unknown_keys():
-    """Nothing enforces a budget yet, so a file that sets one must not load as if it did:
-    ``[engine.budget]`` and a tenant's ``max`` / ``reserved`` are unknown keys like any other.
-    Wiring the budgets into the engine flips this test."""
-    with pytest.raises(ConfigError, match="unknown key 'budget'"):
-        read_engine_config(b"[engine.budget]\nhost = '4GiB'\n")
-    for key in ("max", "reserved"):
-        with pytest.raises(ConfigError, match=f"unknown key '{key}'"):
-            read_engine_config(f"[[engine.tenants]]\nname = 'a'\n{key} = {{ host = '1GiB' }}\n"
-                               .encode())
+def test_budget_keys_in_a_config_file_load_and_write_back():
+    """``[engine.budget]`` and a tenant's ``max`` / ``reserved`` are read (the engine enforces
+    them), and the TOML writer writes them back to the same config."""
+    from prefixd.config.toml_writer import engine_toml
+
+    config = read_engine_config(b"[engine.budget]\nhost = '64MiB'\ndisk = '10%'\n"
+                                b"[[engine.tenants]]\nname = 'a'\nsalt = 'x'\n"
+                                b"max = { host = '32MiB' }\nreserved = { host = '8MiB' }\n")
+    assert config.budget.host.num_bytes == 64 * MiB and config.budget.disk.percent == 10.0
+    (tenant,) = config.tenants
+    assert tenant.max.host.num_bytes == 32 * MiB and tenant.reserved.host.num_bytes == 8 * MiB
+    assert read_engine_config(engine_toml(config).encode()) == config
+
+
+def test_an_unknown_budget_or_quota_key_is_refused_naming_the_known_ones():
+    with pytest.raises(ConfigError, match="unknown key 'ram' in \\[engine.budget\\].*device, host, disk"):
+        read_engine_config(b"[engine.budget]\nram = '4GiB'\n")
+    with pytest.raises(ConfigError, match="unknown tier 'ram'"):
+        read_engine_config(b"[[engine.tenants]]\nname = 'a'\nmax = { ram = '1GiB' }\n")
+
+
+def test_reservations_over_a_budget_in_a_config_file_are_refused_naming_the_keys():
+    text = (b"[engine.budget]\nhost = '1GiB'\n"
+            b"[[engine.tenants]]\nname = 'a'\nsalt = 'a'\nreserved = { host = '768MiB' }\n"
+            b"[[engine.tenants]]\nname = 'b'\nsalt = 'b'\nreserved = { host = '512MiB' }\n")
+    with pytest.raises(ConfigError, match=r"reserved.host add up to .*engine.budget.host"):
+        read_engine_config(text)
 
 
 @pytest.mark.parametrize("text, num_bytes", [

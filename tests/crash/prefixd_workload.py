@@ -19,6 +19,12 @@ commit is acknowledged (and its sequence released, and the lane's next request s
 when its ticket has resolved. Pools are bigger there (``CONCURRENT_SIZES``: N sequences are
 pinned at once) and ``check`` must be given the same sizes.
 
+With ``--wide`` the blocks are 64 KiB (``WIDE``: 32 to a pool file's 2 MiB extent) and the
+pools ``WIDE_SIZES``, so the sparse pool files grow extent by extent; every ``WIDE_EVICT_EVERY``
+requests the device and host tiers are emptied (demoting down to disk) and every tier's idle
+extents punched (``TierStore.shrink``, as a cross-pool evictor does), so extents are grown,
+emptied and punched all along. ``check`` must then be given ``layout=WIDE, sizes=WIDE_SIZES``.
+
 ``check(state_dir, shm_dir, acks)`` (used by the parent) recovers the cache and checks: every
 acknowledged commit is a hit on all of its whole blocks; every block in the index holds exactly
 the bytes its prefix implies (so nothing half-applied is ever served); invariants hold.
@@ -27,6 +33,7 @@ the bytes its prefix implies (so nothing half-applied is ever served); invariant
 from __future__ import annotations
 
 import argparse
+import os
 import queue
 import random
 import sys
@@ -43,21 +50,38 @@ BS = 4
 LAYOUT = KVLayout("crash-test", num_layers=1, num_kv_heads=1, head_dim=2, dtype="float32", block_size=BS)
 SIZES = (24, 24, 65536)  # disk: room for every commit of a 200-kill soak (~8k blocks)
 CONCURRENT_SIZES = (160, 48, 65536)  # device: 16 sequences of up to 6 blocks pinned, and eviction
+WIDE = KVLayout("crash-test-wide", num_layers=1, num_kv_heads=1, head_dim=2048, dtype="float32",
+                block_size=BS)  # 64 KiB blocks
+WIDE_SIZES = (96, 96, 4096)  # 6, 6 and 256 MiB files: 3, 3 and 128 extents
+WIDE_EVICT_EVERY = 10
 
 
-def open_cache(state_dir: str, shm_dir: str, sizes=SIZES, **kw) -> DurableCache:
+def open_cache(state_dir: str, shm_dir: str, sizes=SIZES, layout=LAYOUT, **kw) -> DurableCache:
     kw.setdefault("checkpoint_records", 300)
     kw.setdefault("spill_blocks", 8)
     kw.setdefault("reclaim_grace_s", 0.0)
-    return DurableCache(state_dir, LAYOUT, sizes, shm_dir=shm_dir, **kw)
+    return DurableCache(state_dir, layout, sizes, shm_dir=shm_dir, **kw)
+
+
+def empty_memory_tiers(dc: DurableCache) -> None:
+    """``--wide``: evict every unpinned block of the device and host (down to disk), log it,
+    and punch every idle extent once the quarantine lets its slots go."""
+    dc.cache.evict(1 << 30, DEVICE)
+    dc.cache.evict(1 << 30, HOST)
+    dc.tick()
+    for tier in Tier:
+        dc.store.shrink(tier)
 
 
 def run(args) -> None:
     from tests.crash.acklog import AckLog
 
     rng = random.Random(args.seed)
-    dc = open_cache(args.state_dir, args.shm_dir, CONCURRENT_SIZES if args.concurrent else SIZES,
-                    sync=args.sync)
+    if args.wide:
+        dc = open_cache(args.state_dir, args.shm_dir, WIDE_SIZES, WIDE, sync=args.sync)
+    else:
+        dc = open_cache(args.state_dir, args.shm_dir, CONCURRENT_SIZES if args.concurrent else SIZES,
+                        sync=args.sync)
     dc.expire_recovered()
     pool = StoreTokens(dc.store, BS)
     acks = AckLog(args.acks)
@@ -94,6 +118,8 @@ def run(args) -> None:
         dc.release(seq.id)
         if i % 50 == 49:
             dc.tick()
+        if args.wide and i % WIDE_EVICT_EVERY == WIDE_EVICT_EVERY - 1:
+            empty_memory_tiers(dc)
     dc.close()
 
 
@@ -145,9 +171,10 @@ def run_concurrent(args, dc, pool, acks, rng, systems) -> None:
 
 
 def check(state_dir: str, shm_dir: str, acks: list[str], *, sync: str = "commit",
-          sizes=SIZES) -> dict:
-    """Recover and check; returns counts (acks checked, blocks verified)."""
-    dc = open_cache(state_dir, shm_dir, sizes, sync=sync)
+          sizes=SIZES, layout=LAYOUT) -> dict:
+    """Recover and check; returns counts (acks checked, blocks verified, and ``taken``: the
+    bytes of each tier's pool file, ``st_blocks`` after recovery, against ``charged``)."""
+    dc = open_cache(state_dir, shm_dir, sizes, layout, sync=sync)
     try:
         disk = dc.cache.allocators[DISK]
         assert disk.num_free > disk.num_slots // 10, (
@@ -168,7 +195,10 @@ def check(state_dir: str, shm_dir: str, acks: list[str], *, sync: str = "commit"
             dc.release(seq.id)
             checked += 1
         dc.check_invariants()
-        return {"acks": checked, "blocks_verified": verified, "recovery": dc.recovery}
+        files = {t.name: dc.store.pool(t).path for t in Tier}
+        return {"acks": checked, "blocks_verified": verified, "recovery": dc.recovery,
+                "taken": {n: os.stat(p).st_blocks * 512 for n, p in files.items()},
+                "charged": {t.name: dc.store.held_bytes(t) for t in Tier}}
     finally:
         dc.close()
 
@@ -207,6 +237,7 @@ def main(argv=None) -> None:
     ap.add_argument("--sync", default="commit")
     ap.add_argument("--requests", type=int, default=10**9)
     ap.add_argument("--concurrent", type=int, default=0, help="sequences in flight (0: one at a time)")
+    ap.add_argument("--wide", action="store_true", help="64 KiB blocks; empty the memory tiers often")
     ap.add_argument("--plant", default="", choices=("", "ack-before-commit", "ack-before-ticket"),
                     help="a planted bug, to show that a crash test catches it")
     run(ap.parse_args(argv))

@@ -1,7 +1,8 @@
 """Full disk and failing fsync: no crash, no SIGBUS, nothing acknowledged that is not durable.
 
-* A small tmpfs mounted on the state directory (root only; skipped otherwise): a disk pool that
-  does not fit is refused at start with the asked and free bytes; a state directory that fits the
+* A small tmpfs mounted on the state directory (root only; skipped otherwise): a disk pool whose
+  first extent does not fit is refused at start with the asked and free bytes; one whose file is
+  larger than the filesystem serves on, its refused grows a full disk tier; a state directory that fits the
   pools but whose LMDB file runs out of room while committing fails that commit, poisons the log,
   and after space is freed a reopen finds every acknowledged commit intact.
 * An fsync that fails once (the WAL's inside LMDB's commit, or the disk pool's ``fdatasync``):
@@ -25,7 +26,9 @@ import pytest
 
 from prefixd.engine.durable import DurableCache
 from prefixd.storage.errors import SpaceError, StorageError
-from prefixd.storage.poolfile import DATA_OFFSET, free_bytes
+from prefixd.api.layout import KVLayout
+from prefixd.storage.extents import EXTENT_BYTES
+from prefixd.storage.poolfile import free_bytes
 from prefixd.api.tiers import Tier
 from prefixd.wal import WalFailedError
 from tests.cache.helpers import StoreTokens
@@ -93,15 +96,16 @@ def _close_poisoned(dc: DurableCache) -> None:
     assert dc.wal._closed
 
 
-def test_a_disk_pool_that_does_not_fit_is_refused_at_start_with_asked_and_free_bytes(tmpfs, shm_dir):
-    """Guards against a disk pool that is created sparse on a full filesystem and SIGBUSes or
-    fails later, and against a refusal that does not say how much was asked and how much is free."""
+def test_a_disk_pool_whose_first_extent_does_not_fit_is_refused_at_start_with_asked_and_free_bytes(tmpfs, shm_dir):
+    """Guards against a disk pool that is created on a full filesystem and SIGBUSes or fails
+    later, and against a refusal that does not say how much was asked and how much is free. A
+    pool file is sparse: what it needs at start is its header's extent (2 MiB here)."""
     state = tmpfs(1 << 20)
-    num_disk = 64 << 10  # 64 Ki blocks of 64 bytes: 4 MiB on a 1 MiB filesystem
+    num_disk = 64 << 10  # 64 Ki blocks of 64 bytes: a 4 MiB file on a 1 MiB filesystem
     with pytest.raises(SpaceError) as err:
         DurableCache(state, LAYOUT, (SIZES[0], SIZES[1], num_disk), shm_dir=shm_dir)
     exc = err.value
-    assert exc.needed_bytes == DATA_OFFSET + num_disk * LAYOUT.block_bytes
+    assert exc.needed_bytes == EXTENT_BYTES
     assert 0 < exc.free_bytes < exc.needed_bytes
     assert abs(exc.free_bytes - free_bytes(state)) <= 64 << 10
     msg = str(exc)
@@ -114,6 +118,43 @@ def test_a_disk_pool_that_does_not_fit_is_refused_at_start_with_asked_and_free_b
     finally:
         dc.close()
     check(state, shm_dir, [_ack(_prompt(0))], sizes=SIZES)
+
+
+def test_a_disk_pool_file_larger_than_its_filesystem_serves_and_its_grows_are_refused(tmpfs, shm_dir):
+    """Guards against a sparse disk pool that SIGBUSes, fails a commit or loses an acknowledged
+    one when its filesystem fills: a grow that meets ENOSPC is a full disk tier (no slot
+    handed out, ``no_space`` says so), ``crash`` commits go on through the host tier, and
+    every acknowledged commit is there after a restart."""
+    state = tmpfs(4 << 20)
+    wide = (24, 24, 4096)  # 16 MiB of 4 KiB blocks on a 4 MiB filesystem
+    layout = KVLayout("full-disk-wide", num_layers=1, num_kv_heads=1, head_dim=128, dtype="float32",
+                      block_size=BS)
+    dc = DurableCache(state, layout, wide, shm_dir=shm_dir, reclaim_grace_s=0.0, spill_blocks=8)
+    acks: list[list[int]] = []
+    try:
+        for i in range(200):  # 2,000 blocks, 8 MiB: the disk fills on the way
+            tokens = _prompt(i)
+            seq = dc.open(tokens)
+            StoreTokens(dc.store, BS).write(seq.block_table, tokens, seq.cached_tokens)
+            dc.commit(seq.id, "crash").result()
+            dc.release(seq.id)
+            acks.append(tokens)
+        refused, now = dc.store.no_space(Tier.DISK)
+        assert refused > 0, "the disk never filled: the test proves nothing"
+        assert os.stat(dc.store.pool(Tier.DISK).path).st_blocks * 512 <= 4 << 20
+    finally:
+        dc.close()
+    dc = DurableCache(state, layout, wide, shm_dir=shm_dir, reclaim_grace_s=0.0)
+    try:
+        for tokens in acks[-5:]:  # the newest: the disk's LRU made room for them
+            full = len(tokens) // BS * BS
+            seq = dc.open(tokens[:full] + [0])
+            assert seq.cached_tokens == full, "an acknowledged commit the disk had room for is gone"
+            StoreTokens(dc.store, BS).check(seq.block_table[:full // BS], tokens[:full])
+            dc.release(seq.id)
+        dc.check_invariants()
+    finally:
+        dc.close()
 
 
 def test_lmdb_out_of_space_fails_the_commit_and_keeps_every_acknowledged_one(tmpfs, shm_dir):

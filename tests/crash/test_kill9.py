@@ -18,7 +18,7 @@ import pytest
 
 from prefixd.crashpoints import CRASH_EXIT_CODE
 from tests.crash.acklog import read_acks, wait_for_acks
-from tests.crash.prefixd_workload import CONCURRENT_SIZES, SIZES, check
+from tests.crash.prefixd_workload import CONCURRENT_SIZES, SIZES, WIDE, WIDE_SIZES, check
 from tests.crash.workload_zygote import WorkloadZygote
 
 
@@ -35,7 +35,7 @@ def _spawn(zygote, tmp_path, seed, *extra, env_extra=None):
                         tmp_path / f"stderr-{seed}", env_extra)
 
 
-def _kill_cycles(zygote, tmp_path, kills: int, seed: int, *extra, sizes=SIZES) -> dict:
+def _kill_cycles(zygote, tmp_path, kills: int, seed: int, *extra, sizes=SIZES, layout=None) -> dict:
     os.makedirs(tmp_path / "shm", exist_ok=True)
     rng = random.Random(seed)
     totals = {"kills": 0, "acks": 0, "blocks_verified": 0}
@@ -50,7 +50,7 @@ def _kill_cycles(zygote, tmp_path, kills: int, seed: int, *extra, sizes=SIZES) -
             _, err = child.communicate()
         assert child.returncode == -signal.SIGKILL, err.decode()[-2000:]
         result = check(str(tmp_path / "state"), str(tmp_path / "shm"), read_acks(tmp_path / "acks"),
-                       sizes=sizes)
+                       sizes=sizes, **({} if layout is None else {"layout": layout}))
         totals["kills"] += 1
         totals["acks"] = result["acks"]
         totals["blocks_verified"] += result["blocks_verified"]
@@ -148,6 +148,39 @@ def _crash_at(zygote, tmp_path, point: str, n: int) -> dict:
     assert child.returncode == CRASH_EXIT_CODE, \
         f"crash point {point}:{n} was not reached (exit {child.returncode}): {err.decode()[-1500:]}"
     return check(str(tmp_path / "state"), str(tmp_path / "shm"), read_acks(tmp_path / "acks"))
+
+
+# the grow and the punch of a sparse pool file's extents, in the ``--wide`` workload (whose
+# files grow and shrink all along); the same points at the file level: test_extents_kill9.py
+EXTENT_POINTS = ["extent_grown", "extent_punched"]
+SLACK = 64 * 1024  # a filesystem's own metadata blocks count in st_blocks too
+
+
+@pytest.mark.parametrize("point", EXTENT_POINTS)
+@pytest.mark.parametrize("n", [1, 9])
+def test_a_crash_growing_or_punching_an_extent_loses_nothing_acknowledged(zygote, tmp_path, point, n):
+    """Twice on one state directory: the second child recovers the first one's crash, runs
+    and crashes again; each time every acknowledged commit is a hit with its bytes, and each
+    pool file takes what its ledger was charged (idle extents punched at recovery)."""
+    os.makedirs(tmp_path / "shm", exist_ok=True)
+    for run in range(2):
+        child = _spawn(zygote, tmp_path, run, "--wide", "--requests", "1000",
+                       env_extra={"PREFIXD_CRASH": f"{point}:{n}"})
+        _, err = child.communicate(timeout=120)
+        assert child.returncode == CRASH_EXIT_CODE, \
+            f"crash point {point}:{n} was not reached (exit {child.returncode}): {err.decode()[-1500:]}"
+        result = check(str(tmp_path / "state"), str(tmp_path / "shm"), read_acks(tmp_path / "acks"),
+                       sizes=WIDE_SIZES, layout=WIDE)
+        for tier, taken in result["taken"].items():
+            assert result["charged"][tier] <= taken <= result["charged"][tier] + SLACK, (tier, result)
+    assert result["acks"] > 0
+
+
+def test_kill_9_under_load_with_growing_and_shrinking_files_loses_nothing(zygote, tmp_path, capsys):
+    totals = _kill_cycles(zygote, tmp_path, 6, 7, "--wide", sizes=WIDE_SIZES, layout=WIDE)
+    with capsys.disabled():
+        print(f"\nkill -9, growing and shrinking files: {totals}")
+    assert totals["acks"] > 6
 
 
 @pytest.mark.parametrize("point", CRASH_POINTS)

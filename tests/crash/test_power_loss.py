@@ -35,7 +35,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.crash.acklog import read_acks, wait_for_acks
-from tests.crash.prefixd_workload import check
+from tests.crash.prefixd_workload import WIDE, WIDE_SIZES, check
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -144,7 +144,7 @@ def _stop_right_after_an_ack(fs, child, ack_path: Path, *, tries: int = 100) -> 
 
 
 def _power_run(powerfs, tmp_path: Path, seed: int, mode: str, *, sync: str = "commit",
-               cuts: int = 1) -> dict:
+               cuts: int = 1, wide: bool = False) -> dict:
     """Run the workload on a PowerFS, cut `cuts` times, recover and check after each cut.
 
     Each cut follows a seeded number of acks, at the first of a few seeded random moments
@@ -152,14 +152,15 @@ def _power_run(powerfs, tmp_path: Path, seed: int, mode: str, *, sync: str = "co
     cycle where a power cut can actually lose or tear something. Between cuts the checked
     state is mounted again and a new child recovers it and runs on. Returns totals:
     acks checked (at the last check: every ack of every run), blocks verified, unsynced pages
-    kept and lost at the cuts, cuts made with something unsynced.
+    kept and lost at the cuts, cuts made with something unsynced. ``wide``: the workload's
+    ``--wide`` mode (64 KiB blocks: pool files that grow and shrink by extents all along).
 
     Raises:
         StateLost: `check` failed after a cut (an acknowledged commit lost, wrong bytes, or a
             state that cannot be recovered); anything else is a harness or workload problem.
     """
     rng = random.Random(f"power-loss/{mode}/{sync}/{seed}")
-    tag = f"{mode}-{sync}-{seed}"
+    tag = f"{mode}-{sync}-{seed}{'-wide' if wide else ''}"
     fs = powerfs(f"fs-{tag}", seed=seed, mode=mode)
     shm, ack_path, err_path = (tmp_path / f"{what}-{tag}" for what in ("shm", "acks", "stderr"))
     _wipe(shm)
@@ -168,7 +169,7 @@ def _power_run(powerfs, tmp_path: Path, seed: int, mode: str, *, sync: str = "co
         fs.mount()
         child = _start_workload(fs, [str(fs.mnt / "state"), str(shm), str(ack_path),
                                      "--seed", str(seed + 1000 * cut), "--durability", "power",
-                                     "--sync", sync], err_path)
+                                     "--sync", sync, *(["--wide"] if wide else [])], err_path)
         _wait_acks(ack_path, len(read_acks(ack_path)) + rng.randint(*ACKS_PER_CUT), child)
         if sync == "none":
             out["dirty_cuts"] += _stop_right_after_an_ack(fs, child, ack_path)
@@ -183,7 +184,8 @@ def _power_run(powerfs, tmp_path: Path, seed: int, mode: str, *, sync: str = "co
         _wipe(shm)
         acks = read_acks(ack_path)
         try:
-            result = check(str(fs.backing / "state"), str(shm), acks, sync="commit")
+            result = check(str(fs.backing / "state"), str(shm), acks, sync="commit",
+                           **({"sizes": WIDE_SIZES, "layout": WIDE} if wide else {}))
         except Exception as exc:
             raise StateLost(f"cut {cut + 1} of {cuts}, {len(acks)} acks: "
                             f"{type(exc).__name__}: {exc}") from exc
@@ -223,6 +225,16 @@ def test_power_commits_survive_power_loss(powerfs, tmp_path, capsys, mode):
     a random subset of unsynced 4 KiB pages (``torn``), over 10 seeds per mode, with shm lost;
     and the recovered index serves no wrong bytes."""
     _suite(powerfs, tmp_path, capsys, mode, CI_SEEDS, cuts=2)
+
+
+@pytest.mark.parametrize("mode", ["lose", "torn"])
+def test_power_commits_survive_power_loss_while_pool_files_grow_and_shrink(powerfs, tmp_path, mode):
+    """The same with 64 KiB blocks (``--wide``): the disk pool file grows extent by extent
+    (fallocate and fsync before a slot in it is used) and the memory tiers are emptied and
+    punched all along; 3 seeds, 2 cuts each."""
+    for seed in range(3):
+        got = _power_run(powerfs, tmp_path, 500 + seed, mode, cuts=2, wide=True)
+        assert got["acks"] > 0
 
 
 def test_control_sync_none_is_caught_losing_data(powerfs, tmp_path, capsys):

@@ -17,6 +17,9 @@ from prefixd.storage.poolfile import PoolHeader
 from prefixd.api.tiers import Tier
 from prefixd.storage.tier_store import TierStore
 
+from prefixd.storage.budget_ledger import BudgetLedger
+from prefixd.storage.extent_slots import ExtentSlotAllocator
+from prefixd.storage.extents import EXTENT_BYTES, SparsePoolFile
 from prefixd.storage.pools import TensorPool
 from tests.requires import missing
 from tests.storage.proc_maps import need_populate, resident_bytes
@@ -65,15 +68,23 @@ def test_shm_pool_in_dev_shm_is_mappable_by_path(tmp_path):
         os.unlink(os.path.join("/dev/shm", f"{name}.host.pool"))
 
 
-def test_a_pool_file_is_mapped_populated(tmp_path):
-    """Every page of a memory pool is in the page tables once it is mapped: the serving path
-    never pays a page fault for a block's first touch (prefixd.storage.pools NOTE). Fails
-    without ``MAP_POPULATE``: a fresh mapping has nothing resident until touched."""
+def test_a_pool_file_is_mapped_with_its_held_extents_populated(tmp_path):
+    """Every page of a held extent is in the page tables before a slot in it is handed out:
+    the serving path never pays a page fault for a block's first touch (prefixd.storage.pools
+    NOTE); the hole is not (``MAP_POPULATE`` would allocate all of it). Fails without the
+    populate on grow: a freshly grown extent has nothing resident until touched."""
     need_populate()
     path = str(tmp_path / "host.pool")
-    pool = TensorPool(SMALL, int(Tier.HOST), 64, path=path, fresh=True)
+    pool = TensorPool(SMALL, int(Tier.HOST), 1024, path=path, fresh=True)  # 16 MiB, 8 extents
     try:
-        assert resident_bytes(path) >= 64 * SMALL.block_bytes
+        alloc = ExtentSlotAllocator(pool.sparse, recovered=True)
+        assert EXTENT_BYTES <= resident_bytes(path) < 2 * EXTENT_BYTES
+        slots = alloc.allocate(300)  # 4.7 MiB: extents 0..2
+        assert resident_bytes(path) >= 3 * EXTENT_BYTES
+        assert resident_bytes(path) < 4 * EXTENT_BYTES
+        assert os.stat(path).st_blocks * 512 == 3 * EXTENT_BYTES == pool.sparse.charged
+        alloc.free(slots)
+        assert os.stat(path).st_blocks * 512 <= 2 * EXTENT_BYTES  # one idle extent kept
     finally:
         pool.close()
 
@@ -125,15 +136,18 @@ def _reencode(raw: bytearray) -> bytes:
     return PoolHeader(kind, bb, n, fid, layout, version, off).encode()
 
 
-def test_absurd_size_fails_at_start_with_asked_and_free_bytes(tmp_path):
-    free = poolfile.free_bytes(str(tmp_path))
-    n = free // SMALL.block_bytes + 10
-    with pytest.raises(SpaceError) as err:
-        TierStore(SMALL, {Tier.DISK: n}, state_dir=str(tmp_path), name="huge", use_cuda=False)
-    msg = str(err.value)
-    assert str(poolfile.DATA_OFFSET + n * SMALL.block_bytes) in msg and "free" in msg
-    assert err.value.free_bytes is not None and err.value.needed_bytes > err.value.free_bytes
-    assert not os.listdir(tmp_path), "a failed allocation must leave nothing behind"
+def test_a_pool_larger_than_its_filesystem_opens_as_a_hole(tmp_path):
+    """A sparse file costs its held extents, not its size: a pool ten times the free space
+    opens, holding only its header's extent."""
+    n = 10 * poolfile.free_bytes(str(tmp_path)) // SMALL.block_bytes
+    store = TierStore(SMALL, {Tier.DISK: n}, state_dir=str(tmp_path), name="huge", use_cuda=False)
+    try:
+        path = store.pool(Tier.DISK).path
+        assert os.stat(path).st_size == poolfile.DATA_OFFSET + n * SMALL.block_bytes
+        assert os.stat(path).st_blocks * 512 <= EXTENT_BYTES + 16384
+        assert store.held_bytes(Tier.DISK) == EXTENT_BYTES
+    finally:
+        store.close()
 
 
 @pytest.fixture
@@ -149,7 +163,7 @@ def tiny_tmpfs(tmp_path):
     subprocess.run(["umount", str(mnt)], check=False)
 
 
-def test_tier_too_big_for_a_tiny_tmpfs_fails_at_start(tiny_tmpfs, tmp_path):
+def test_a_header_extent_too_big_for_a_tiny_tmpfs_fails_at_start(tiny_tmpfs, tmp_path):
     with pytest.raises(SpaceError, match="asked for") as err:
         TierStore(SMALL, {Tier.HOST: 128}, state_dir=str(tmp_path), shm_dir=tiny_tmpfs, name="x", use_cuda=False)
     assert err.value.free_bytes <= 1 << 20 < err.value.needed_bytes
@@ -160,5 +174,26 @@ def test_fallocate_failure_is_a_space_error_too(tiny_tmpfs, tmp_path, monkeypatc
     monkeypatch.setattr(poolfile, "check_space", lambda *a: None)
     with pytest.raises(SpaceError, match="No space left") as err:
         TierStore(SMALL, {Tier.HOST: 128}, state_dir=str(tmp_path), shm_dir=tiny_tmpfs, name="x", use_cuda=False)
-    assert err.value.needed_bytes == poolfile.DATA_OFFSET + 128 * SMALL.block_bytes
+    assert err.value.needed_bytes == EXTENT_BYTES  # the header's extent, of a 2 MiB file
     assert not os.listdir(tiny_tmpfs)
+
+
+def test_a_grow_a_full_tmpfs_refuses_is_no_room_not_a_sigbus(tiny_tmpfs, tmp_path):
+    """64 KiB extents on a 1 MiB tmpfs: allocating past it returns None (a full tier) and counts
+    a refusal; freed slots are punched and can be had again."""
+    header = PoolHeader(int(Tier.HOST), SMALL.block_bytes, 256, poolfile.new_file_id(), SMALL.to_bytes())
+    sparse = SparsePoolFile(os.path.join(tiny_tmpfs, "p.pool"), header, ledger=BudgetLedger("host", 1 << 40),
+                            tenant="t", durable=False, fresh=True, extent_bytes=64 << 10)
+    alloc = ExtentSlotAllocator(sparse, recovered=True, keep_idle=0)
+    try:
+        got = alloc.allocate(40)  # 640 KiB of a 4 MiB file
+        assert got is not None and alloc.grow_refusals == 0
+        assert alloc.allocate(40) is None
+        assert alloc.grow_refusals == 1
+        assert alloc.num_free < 256 - 40  # only what can be had, so the cache evicts for it
+        alloc.free(got)
+        assert sparse.charged == 64 << 10  # the header's extent is all that is left
+        assert alloc.allocate(40) is not None
+        alloc.check_invariants()
+    finally:
+        sparse.close()
