@@ -233,6 +233,17 @@ class ExtentMap:
             elif before and not after and k and self._allocated[k]:
                 idle.add(k)
 
+    def add_users_of(self, k: int, n: int) -> None:
+        """``add_users`` for ``n`` slots (``n < 0``: no longer in use) that touch extent ``k``
+        alone: the common batch, without building a ``touched``."""
+        users = self._users
+        before = users[k]
+        users[k] = after = before + n
+        if after and not before:
+            self._idle.discard(k)
+        elif before and not after and k and self._allocated[k]:
+            self._idle.add(k)
+
     @property
     def num_idle(self) -> int:
         return len(self._idle)

@@ -134,9 +134,22 @@ class ExtentSlotAllocator:
             return []
         if not self._recovered:
             self.take([])
+        if self._held and not self._wide:  # the common case: part of one held extent's bucket
+            k = self._held[0]
+            bucket = self._buckets.get(k)
+            if bucket is not None and len(bucket) > n and self._where[k] == _HELD:
+                out = bucket[-n:]
+                straddler = self.extents.straddler(k)
+                if straddler < 0 or straddler not in out:
+                    del bucket[-n:]
+                    out.reverse()
+                    self._num_bucketed -= n
+                    self._num_ready -= n
+                    self.extents.add_users_of(k, n)
+                    return out
         if n > self._num_bucketed + self.num_slots - self._fresh:
             return None
-        out: list[int] = []
+        out = []
         counts: dict[int, int] = {}
         taken: list[tuple[int, list[int]]] = []  # (extent, slots) popped from buckets
         if self._held:
@@ -300,10 +313,30 @@ class ExtentSlotAllocator:
         """Return slots no durable record names: allocatable, and given back to the file.
 
         Raises ValueError: a slot that was never handed out (nothing freed)."""
-        if slots:
+        if not slots:
+            return
+        em, off, bb, ext = self.extents, self._off, self._bb, self._ext
+        ordered = sorted(slots)  # NOTE: faster than min() and max() on a list of ints
+        lo, hi = ordered[0], ordered[-1]
+        k = (off + lo * bb) // ext
+        if self._wide or lo < 0 or hi >= self._fresh or k != (off + hi * bb) // ext:
             self.file.give_back(slots, touched=self._push(slots))
-            if self.extents.num_idle > self.keep_idle:
-                self.shrink(self.keep_idle)
+        else:  # one extent's slots (the common case), inline
+            bucket = self._buckets.get(k)
+            if bucket is None:
+                bucket = self._bucket(k)
+            ordered.reverse()  # a bucket descends: ``allocate`` pops ascending runs
+            bucket.extend(ordered)
+            n = len(ordered)
+            if self._where[k] == _HELD:
+                self._num_ready += n
+            self._num_bucketed += n
+            em.add_users_of(k, -n)
+            last = (off + (hi + 1) * bb - 1) // ext
+            if last != k:
+                em.add_users_of(last, -1)
+        if em.num_idle > self.keep_idle:
+            self.shrink(self.keep_idle)
 
     def defer_free(self, slots: list[int]) -> None:
         """Return slots that a durable record may still name (``SlotAllocator.defer_free``)."""
