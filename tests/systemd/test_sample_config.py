@@ -7,7 +7,9 @@ import dataclasses
 import pathlib
 import re
 
+from prefixd.config.budget_settings import BudgetSpec
 from prefixd.config.cluster_settings import ClusterConfig
+from prefixd.config.kv_events_settings import KVEventsConfig
 from prefixd.config.daemon_settings import (DaemonConfig, EventsConfig, Limits, MetricsConfig,
                                             TenantSocket)
 from prefixd.config.engine_settings import EngineConfig, TierSizes
@@ -19,7 +21,8 @@ SAMPLE = pathlib.Path(__file__).resolve().parents[2] / "systemd" / "prefixd.toml
 SPELLED = {"model_blocks": "[engine.blocks.models.", "blocks": "[engine.blocks]",
            "tenants": "[[engine.tenants]]", "limits": "[daemon.limits]",
            "sockets": "[[daemon.sockets]]", "metrics": "[daemon.metrics]",
-           "events": "[daemon.events]", "cluster": "[engine.cluster]"}
+           "events": "[daemon.events]", "cluster": "[engine.cluster]",
+           "budget": "[engine.budget]", "kv_events": "[daemon.kv_events]"}
 
 
 def test_sample_config_loads_and_equals_the_defaults():
@@ -34,7 +37,7 @@ def test_sample_config_names_every_setting():
     text = SAMPLE.read_text()
     missing = []
     for cls in (EngineConfig, TierSizes, DaemonConfig, Limits, TenantSocket, MetricsConfig,
-                EventsConfig, ClusterConfig):
+                EventsConfig, ClusterConfig, BudgetSpec, KVEventsConfig):
         for field in dataclasses.fields(cls):
             spelled = SPELLED.get(field.name)
             if spelled is not None:
