@@ -53,12 +53,12 @@ HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
 SNAPSHOT_EVENTS = 512  # events per batch of the recovered index at a start
 # NOTE: a batch goes out at most this long after its first event, with every event of the
-# loop turns in between: each send wakes ZMQ's I/O thread when it sleeps, ~27 us of the loop's
-# CPU a batch on a small virtual machine (6 us back to back), so under load the requests of a
-# few milliseconds share one; a router sees a commit within ~FLUSH_S (the lag target: 50 ms).
-# At 5 ms the loop still spent 6% of the daemon's CPU here (2.4 requests a batch), at 10 ms
-# 4.9% (4 a batch, lag p99 9.9 ms): docs/bench/events.json
-FLUSH_S = 0.010
+# loop turns in between: each send wakes ZMQ's I/O thread when it sleeps, ~50 us of the loop's
+# CPU a batch on a small virtual machine (7 us back to back), so under load the requests of
+# several milliseconds share one; a router sees a commit within ~FLUSH_S (the lag target: 50
+# ms). At 10 ms the loop spent 70 us a request here (8 gsp clients), at 20 ms 49 us (lag p99
+# 20.6 ms): docs/bench/events.json
+FLUSH_S = 0.020
 _MORE = zmq.NOBLOCK | zmq.SNDMORE
 _clock = time.thread_time_ns  # CPU time: what the loop spends, not what the host steals
 
