@@ -56,8 +56,8 @@ SNAPSHOT_EVENTS = 512  # events per batch of the recovered index at a start
 # loop turns in between: each send wakes ZMQ's I/O thread when it sleeps, ~50 us of the loop's
 # CPU a batch on a small virtual machine (7 us back to back), so under load the requests of
 # several milliseconds share one; a router sees a commit within ~FLUSH_S (the lag target: 50
-# ms). At 10 ms the loop spent 70 us a request here (8 gsp clients), at 20 ms 49 us (lag p99
-# 20.6 ms): docs/bench/events.json
+# ms). Under bench/events.py (8 gsp clients, host load 7-10) the loop spent 70 us a request
+# here at 10 ms, 49-69 us at 20 ms (5 runs; lag p99 19-25 ms): docs/bench/events.json
 FLUSH_S = 0.020
 _MORE = zmq.NOBLOCK | zmq.SNDMORE
 _clock = time.thread_time_ns  # CPU time: what the loop spends, not what the host steals
