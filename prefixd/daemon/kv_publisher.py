@@ -53,12 +53,12 @@ HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
 SNAPSHOT_EVENTS = 512  # events per batch of the recovered index at a start
 # NOTE: a batch goes out at most this long after its first event, with every event of the
-# loop turns in between: each send wakes ZMQ's I/O thread when it sleeps, ~27 us of the loop's
-# CPU a batch on a small virtual machine (6 us back to back), so under load the requests of a
-# few milliseconds share one; a router sees a commit within ~FLUSH_S (the lag target: 50 ms).
-# At 5 ms the loop still spent 6% of the daemon's CPU here (2.4 requests a batch), at 10 ms
-# 4.9% (4 a batch, lag p99 9.9 ms): docs/bench/events.json
-FLUSH_S = 0.010
+# loop turns in between: each send wakes ZMQ's I/O thread when it sleeps, ~50 us of the loop's
+# CPU a batch on a small virtual machine (7 us back to back), so under load the requests of
+# several milliseconds share one; a router sees a commit within ~FLUSH_S (the lag target: 50
+# ms). Under bench/events.py (8 gsp clients, host load 7-10) the loop spent 70 us a request
+# here at 10 ms, 49-69 us at 20 ms (5 runs; lag p99 19-25 ms): docs/bench/events.json
+FLUSH_S = 0.020
 _MORE = zmq.NOBLOCK | zmq.SNDMORE
 _clock = time.thread_time_ns  # CPU time: what the loop spends, not what the host steals
 
@@ -66,8 +66,8 @@ _clock = time.thread_time_ns  # CPU time: what the loop spends, not what the hos
 class TenantPublisher:
     """One tenant's PUB socket, numbers, replay buffer and the events of the coming batch.
 
-    Fields: ``pending`` (notes ``(kind, tier, hashes, parent_hash, tokens, block_size,
-    roots, forgotten)``, the coming batch's), ``buffer`` (``(seq, payload)`` of the last
+    Fields: ``pending`` (notes ``(cache events, block size, namespace root hashes)``, the
+    coming batch's, turned into wire events only at the flush, in one pass), ``buffer`` (``(seq, payload)`` of the last
     ``buffer_batches`` batches, read by the replay thread), ``lineage`` (``kv_lineage``),
     counters ``batches``, ``dropped``, ``stored[tier]`` and ``removed[tier]`` (blocks).
     Touched on the loop's thread only, ``buffer`` excepted.
@@ -104,7 +104,7 @@ class TenantPublisher:
             self.close()
             raise
 
-    def send(self, events: list[dict]) -> int:
+    def send(self, events: list[bytes]) -> int:
         """Number, send (or count dropped) and keep one batch of ``events``; returns its number."""
         seq = self.next_seq
         self.next_seq = seq + 1
@@ -124,30 +124,38 @@ class TenantPublisher:
                             self.tenant, seq, self.dropped)
         return seq
 
-    def events(self) -> list[dict]:
-        """The pending notes as wire events (and counted); ``pending`` emptied."""
+    def events(self) -> list[bytes]:
+        """The pending notes as packed wire events (and counted); ``pending`` emptied."""
         out = []
-        ext = self.hashes
+        add = out.append
+        ext = self.hashes.many
+        one = self.hashes.one
         stored, removed = self.stored, self.removed
         lineage = self.lineage
-        for kind, tier, hashes, parent, tokens, bs, roots, forgotten in self.pending:
-            medium = wire.MEDIUMS[tier]
-            ext_hashes = ext.many(hashes)
-            if kind is BlocksDropped:
-                removed[tier] += len(hashes)
-                out.append(wire.removed(ext_hashes, medium))
-                if forgotten:
-                    lineage.forget(ext_hashes)
-                continue
-            stored[tier] += len(hashes)
-            if kind is BlocksStored:
-                parent = None if parent in roots else ext.one(parent)
-                lineage.add(ext_hashes, parent, tokens)
-                out.append(wire.stored(ext_hashes, parent, wire.token_list(tokens), bs, medium))
-                continue
-            known = lineage.of(ext_hashes, bs)
-            parent, ids = known if known is not None else (None, [])
-            out.append(wire.stored(ext_hashes, parent, ids, bs, medium))
+        mediums = wire.MEDIUMS
+        for events, bs, roots in self.pending:
+            for e in events:
+                t = type(e)
+                if t is BlocksStored:
+                    hashes = ext(e.hashes)
+                    parent = None if e.parent_hash in roots else one(e.parent_hash)
+                    fields = wire.stored_fields(hashes, parent, wire.token_list(e.tokens), bs)
+                    lineage.add(hashes, parent, e.tokens, fields)
+                    stored[DEVICE] += len(hashes)
+                    add(wire.stored(fields, mediums[DEVICE]))
+                elif t is BlocksMoved:
+                    hashes = ext(e.hashes)
+                    fields = lineage.fields(hashes, bs)
+                    if fields is None:
+                        fields = wire.stored_fields(hashes, None, [], bs)
+                    stored[e.tier] += len(hashes)
+                    add(wire.stored(fields, mediums[e.tier]))
+                elif t is BlocksDropped:
+                    hashes = ext(e.hashes)
+                    removed[e.tier] += len(hashes)
+                    add(wire.removed(hashes, mediums[e.tier]))
+                    if e.forgotten:
+                        lineage.forget(hashes)
         self.pending = []
         return out
 
@@ -222,12 +230,12 @@ class KVPublishers:
         for node in tree.nodes():
             parent = None if node.parent.is_root() else ext.one(node.parent.last_hash)
             hashes = ext.many(node.hashes)
-            pub.lineage.add(hashes, parent, node.tokens)
-            tokens = wire.token_list(node.tokens)
+            fields = wire.stored_fields(hashes, parent, wire.token_list(node.tokens), block_size)
+            pub.lineage.add(hashes, parent, node.tokens, fields)
             for tier, slots in enumerate(node.slots):
                 if slots is None:
                     continue
-                events.append(wire.stored(hashes, parent, tokens, block_size, wire.MEDIUMS[tier]))
+                events.append(wire.stored(fields, wire.MEDIUMS[tier]))
                 pub.stored[tier] += len(hashes)
                 blocks += len(hashes)
             if len(events) >= SNAPSHOT_EVENTS:
@@ -247,20 +255,19 @@ class KVPublishers:
         if pub is None or self._loop is None:
             return
         try:
-            roots = None
-            bs = layout.block_size
-            add = pub.pending.append
+            roots, noted = None, False
             for e in events:
                 t = type(e)
                 if t is BlocksStored:
-                    if roots is None:
-                        roots = self._root_hashes(self._engine.pool(tenant, layout).cache.tree)
-                    add((t, DEVICE, e.hashes, e.parent_hash, e.tokens, bs, roots, False))
-                elif t is BlocksMoved:
-                    add((t, e.tier, e.hashes, None, None, bs, roots, False))
-                elif t is BlocksDropped:
-                    add((t, e.tier, e.hashes, None, None, bs, roots, e.forgotten))
-            if self._timer is None and pub.pending:
+                    roots = self._root_hashes(self._engine.pool(tenant, layout).cache.tree)
+                    noted = True
+                    break
+                if t is BlocksMoved or t is BlocksDropped:
+                    noted = True
+            if not noted:
+                return
+            pub.pending.append((events, layout.block_size, roots))
+            if self._timer is None:
                 self._timer = self._loop.call_later(FLUSH_S, self.flush)
         except Exception:  # noqa: BLE001 - a router's view must never fail a cache call
             log.exception("kv events of a batch lost tenant=%s model=%s", tenant,
