@@ -17,10 +17,16 @@ class OutOfBlocks(CacheError):
     def __init__(self, needed: int, available: int) -> None:
         self.needed = needed
         self.available = available
-        super().__init__(
-            f"device pool exhausted: need {needed} blocks, {available} can be freed "
-            f"({needed - available} short); release or preempt sequences, or grow the pool"
-        )
+        if available >= needed:  # the slots exist, the bytes for them do not: a refused grow
+            message = (f"device tier full: need {needed} blocks and {available} are free or "
+                       f"evictable, but the device budget had no room to place them (freed "
+                       f"slots come back once their log record is durable); retry, or raise "
+                       f"[engine.budget] device")
+        else:
+            message = (f"device pool exhausted: need {needed} blocks, {available} can be freed "
+                       f"({needed - available} short); release or preempt sequences, or grow "
+                       f"the pool")
+        super().__init__(message)
 
 
 class UnknownSequence(CacheError):

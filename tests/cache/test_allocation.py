@@ -132,3 +132,11 @@ def test_a_recovered_release_is_an_event():
     assert cache.drain_events() == [ev.SeqReleased(7)]
     assert node.lock_ref == 0
     cache.check_invariants()
+
+
+def test_a_refused_grow_with_slots_to_spare_names_the_budget_not_a_negative_shortfall():
+    """With budgets, a pool can have the slots a request needs (free or evictable) but no
+    bytes to place them: the refusal says so and names the key to raise."""
+    message = str(OutOfBlocks(4, 7))
+    assert "[engine.budget] device" in message and "short" not in message
+    assert "(1 short)" in str(OutOfBlocks(4, 3))
