@@ -195,7 +195,7 @@ class TierStore:
     def grow_refusals(self, tier: Tier) -> int:
         """Grows of the tier's file refused so far (budget full, ENOSPC or EDQUOT)."""
         alloc = self.allocator(tier)
-        return alloc.grow_refusals if isinstance(alloc, ExtentSlotAllocator) else 0
+        return alloc.gate.grow_refusals if isinstance(alloc, ExtentSlotAllocator) else 0
 
     def no_space(self, tier: Tier) -> tuple[int, bool]:
         """Grows the filesystem refused so far (ENOSPC, EDQUOT), and whether the last one tried
@@ -203,7 +203,7 @@ class TierStore:
         alloc = self.allocator(tier)
         if not isinstance(alloc, ExtentSlotAllocator):
             return 0, False
-        return alloc.no_space_refusals, alloc.out_of_space
+        return alloc.gate.no_space_refusals, alloc.gate.out_of_space
 
     def read(self, tier: Tier, slots: Sequence[int]) -> torch.Tensor:
         """A copy of the blocks (``BlockIO.read``)."""
