@@ -5,14 +5,13 @@ host (and, without a GPU, the device) tier. Every operation runs the cache core,
 events it produced, in order, through ``OrderedLog``; a commit returns a ticket (a
 ``concurrent.futures.Future``) that resolves once it is as durable as asked: no call waits for
 an fsync. Opening the state directory recovers: checkpoint, log tail, reconciliation (see
-``prefixd.engine.recovery``), then a RECOVER record. The write order lives in ``WriteOrder.make_durable``.
+``prefixd.engine.recovery``), then a RECOVER record.
 
 Composed of: the ``Recovered`` value ``recover`` returns (the cache core, its tiers, the
-recovered sequences), assigned by ``__init__``; the WAL and its ``OrderedLog``; and the
-``Upkeep`` (``prefixd.engine.upkeep``), which owns the event path into the log and the work that
-follows each step (quarantine release, headroom, spill, the checkpoint trigger; a caller that
-runs a checkpoint's parts apart calls them on ``upkeep`` itself); and the ``WriteOrder``
-(``prefixd.engine.write_order``), which makes a commit as durable as asked.
+recovered sequences), assigned by ``__init__``; the WAL and its ``OrderedLog``; the ``Upkeep``
+(``prefixd.engine.upkeep``: the event path into the log, the work after each step, and the
+checkpoint, whose parts a caller that runs them apart calls on ``upkeep`` itself); and the
+``WriteOrder`` (``prefixd.engine.write_order``), which owns the write order of a commit.
 
 Not thread-safe: one caller at a time (the daemon serializes cache operations on one thread).
 Internal threads: the WAL's committer, the disk writer and the disk sync thread; tickets
@@ -53,8 +52,7 @@ __all__ = ["DURABILITY", "TICK_PERIOD_S", "DurableCache", "Reclaimed"]
 
 
 def _delegated(part: str, name: str, doc: str) -> property:
-    """A settable attribute of the pool that lives in one of its parts (``part``: a dotted
-    path of attributes from the pool)."""
+    """A settable attribute of the pool that lives in its part ``part`` (a dotted path)."""
     get_part = operator.attrgetter(part)
     return property(lambda self: getattr(get_part(self), name),
                     lambda self, value: setattr(get_part(self), name, value), doc=doc)
