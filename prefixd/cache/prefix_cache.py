@@ -6,8 +6,8 @@ from collections.abc import Iterable
 
 from prefixd.api.layout import as_token_bytes
 from prefixd.cache import events as ev
-from prefixd.cache.events import (BlocksMoved, BlocksStored, SeqCommitted, SeqExtended,
-                                  SeqOpened, SeqReleased, new_event)
+from prefixd.cache.events import SeqExtended, SeqOpened, SeqReleased, new_event
+from prefixd.cache.indexer import Indexer
 from prefixd.cache.errors import InvalidTokens, OutOfBlocks, UnknownSequence
 from prefixd.cache.lookup import LookupResult, lookup
 from prefixd.cache.node import DEVICE, Node, path_to
@@ -74,6 +74,7 @@ class PrefixCache:
         self.stats = CacheStats()
         self.events: list = []
         self.allocation = Allocation(self)
+        self.indexer = Indexer(self.tree, self.block_bytes, self.events, self.stats, self.tiering)
         self._seqs: dict[int, Sequence] = {}
         self._shared_tail = SharedTails()
         self._next_id = 1
@@ -136,7 +137,7 @@ class PrefixCache:
 
         NOTE: emptied in place, not replaced: an allocation short of quarantined slots drains
         in the middle of an operation (``on_deferred_shortage``), and a caller holding the list
-        (``_commit`` across its write-through) appended to a list already logged: the
+        (``Indexer.index`` across its write-through) appended to a list already logged: the
         ``SeqCommitted`` record was lost and its commit acknowledged anyway
         (``tests/engine/test_commit_forces_reclaim.py``).
         """
@@ -276,7 +277,7 @@ class PrefixCache:
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise UnknownSequence(seq_id)
-        return self._commit(seq)
+        return self.indexer.index(seq)
 
     def fork(self, seq_id: int, num_children: int) -> list[Sequence]:
         """``num_children`` new sequences sharing every block of ``seq_id``.
@@ -288,7 +289,7 @@ class PrefixCache:
         if num_children < 1:
             raise ValueError(f"num_children must be >= 1, got {num_children}")
         seq = self.sequence(seq_id)
-        self._commit(seq)
+        self.indexer.index(seq)
         children = []
         for _ in range(num_children):
             child_id = self._next_id
@@ -306,7 +307,7 @@ class PrefixCache:
     def release(self, seq_id: int, *, commit: bool = False) -> None:
         """Drop the sequence: indexed blocks stay cached, private ones are freed."""
         if commit:
-            self._commit(self.sequence(seq_id))
+            self.indexer.index(self.sequence(seq_id))
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise UnknownSequence(seq_id)
@@ -361,42 +362,6 @@ class PrefixCache:
             return as_token_bytes(tokens)
         except (ValueError, TypeError) as exc:
             raise InvalidTokens(str(exc)) from None
-
-    def _commit(self, seq: Sequence) -> int:
-        bb = self.block_bytes
-        num_full = len(seq.tokens) // bb
-        first = seq.num_indexed
-        if num_full <= first:
-            return 0
-        table = seq.block_table
-        ours = table[first:num_full]
-        node = seq.node
-        new_tokens = bytes(memoryview(seq.tokens)[first * bb:num_full * bb])
-        adopted: list[Node] = []
-        deepest, tree_slots, new = self.tree.insert(node, new_tokens, ours, adopted)
-        if tree_slots is not ours:
-            for i, (mine, theirs) in enumerate(zip(ours, tree_slots)):
-                if mine != theirs:
-                    seq.dup_slots.append(mine)
-                    table[first + i] = theirs
-        if node.lock_ref > 1:  # insert locked ``deepest``, always a descendant of ``node``
-            node.lock_ref -= 1
-        else:
-            self.tree.unlock(node)
-        seq.node = deepest
-        seq.num_indexed = num_full
-        events = self.events  # the one list: the write-through may drain it (``drain_events``)
-        for run in adopted:  # runs only in lower tiers took our device copies of their blocks
-            events.append(new_event(BlocksMoved, (DEVICE, run.hashes, run.slots[DEVICE], [])))
-        added = 0
-        if new is not None:
-            events.append(new_event(BlocksStored, (new.parent.hashes[-1], new.hashes, new.tokens, new.slots[DEVICE])))
-            added = new.num_blocks
-            self.stats.committed_blocks += added
-            if self.tiering is not None:
-                self.tiering.write_through(new)
-        events.append(new_event(SeqCommitted, (seq.id, num_full, deepest.hashes[-1])))
-        return added
 
     def _copy_on_write(self, seq: Sequence, new_slot: int) -> None:
         old_slot = seq.block_table[-1]

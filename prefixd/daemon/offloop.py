@@ -88,11 +88,11 @@ class OffLoop:
         async with lock:
             loop = asyncio.get_running_loop()
             began = time.perf_counter()
-            walk = dc.begin_picture()
+            walk = dc.upkeep.begin_picture()
             try:
                 held, longest = await self._walk(walk)
                 for _ in range(MAX_BARRIER_WAITS):
-                    barrier = dc.checkpoint_barrier()
+                    barrier = dc.upkeep.checkpoint_barrier()
                     if barrier is None:
                         break
                     try:
@@ -100,14 +100,14 @@ class OffLoop:
                     except Exception:  # noqa: BLE001 - begin_checkpoint raises it as the log's failure
                         break
                 finished = time.perf_counter()
-                picture = dc.begin_checkpoint(walk)
+                picture = dc.upkeep.begin_checkpoint(walk)
                 pictured = time.perf_counter()
                 held += pictured - finished
                 longest = max(longest, pictured - finished)
                 index, seqs = await loop.run_in_executor(self._checkpointer, picture.values)
                 made = time.perf_counter()
-                await asyncio.wrap_future(dc.submit_checkpoint(picture, index, seqs))
-                dc.end_checkpoint(picture)
+                await asyncio.wrap_future(dc.upkeep.submit_checkpoint(picture, index, seqs))
+                dc.upkeep.end_checkpoint(picture)
             except BaseException:
                 walk.close()
                 self.num_failed += 1

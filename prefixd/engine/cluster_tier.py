@@ -33,7 +33,7 @@ runs to the pool's write policy (``write_through``: host now, disk with the next
 blocks are safe in the cluster meanwhile, and the write-through inside ``open`` was most of a
 promotion's time. A crash before the tick forgets them locally (device residency does not
 survive recovery): the next ``open`` fetches them again. A client's own commit on top writes
-the whole path down itself (``DurableCache._make_durable``).
+the whole path down itself (``WriteOrder.make_durable``).
 
 NOTE: the short-lived sequence is bookkeeping, not a client's request, so ``promote`` takes
 its ``open`` and ``commit`` back out of the cache's counters (opens, requested and hit tokens,

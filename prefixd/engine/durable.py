@@ -5,12 +5,13 @@ host (and, without a GPU, the device) tier. Every operation runs the cache core,
 events it produced, in order, through ``OrderedLog``; a commit returns a ticket (a
 ``concurrent.futures.Future``) that resolves once it is as durable as asked: no call waits for
 an fsync. Opening the state directory recovers: checkpoint, log tail, reconciliation (see
-``prefixd.engine.recovery``), then a RECOVER record. The write order lives in ``_make_durable``.
+``prefixd.engine.recovery``), then a RECOVER record.
 
 Composed of: the ``Recovered`` value ``recover`` returns (the cache core, its tiers, the
-recovered sequences), assigned by ``__init__``; the WAL and its ``OrderedLog``; and the
-``Upkeep`` (``prefixd.engine.upkeep``), which owns the event path into the log and the work that
-follows each step (quarantine release, headroom, spill, the checkpoint trigger).
+recovered sequences), assigned by ``__init__``; the WAL and its ``OrderedLog``; the ``Upkeep``
+(``prefixd.engine.upkeep``: the event path into the log, the work after each step, and the
+checkpoint, whose parts a caller that runs them apart calls on ``upkeep`` itself); and the
+``WriteOrder`` (``prefixd.engine.write_order``), which owns the write order of a commit.
 
 Not thread-safe: one caller at a time (the daemon serializes cache operations on one thread).
 Internal threads: the WAL's committer, the disk writer and the disk sync thread; tickets
@@ -33,15 +34,14 @@ from prefixd.engine import reclaim
 from prefixd.engine.checkpoint import CheckpointTrigger
 from prefixd.engine.kv_io import PoolKV
 from prefixd.engine.reclaim import Reclaimed
-from prefixd.engine.errors import DurabilityError
 from prefixd.api.tiers import Tier
-from prefixd.cache.node import DEVICE, DISK, HOST
+from prefixd.cache.node import DEVICE
 from prefixd.engine.ordered_log import OrderedLog
-from prefixd.wal.tickets import DONE_NONE, done, failed
+from prefixd.wal.tickets import DONE_NONE
 from prefixd.engine.records import CHECKPOINT_BLOCKS
 from prefixd.engine.recovery import recover
 from prefixd.engine.upkeep import TICK_PERIOD_S, Upkeep, poison_on_storage_error
-from prefixd.crashpoints import crash_point
+from prefixd.engine.write_order import WriteOrder
 from prefixd.wal import Wal
 
 log = logging.getLogger(__name__)
@@ -52,8 +52,7 @@ __all__ = ["DURABILITY", "TICK_PERIOD_S", "DurableCache", "Reclaimed"]
 
 
 def _delegated(part: str, name: str, doc: str) -> property:
-    """A settable attribute of the pool that lives in one of its parts (``part``: a dotted
-    path of attributes from the pool)."""
+    """A settable attribute of the pool that lives in its part ``part`` (a dotted path)."""
     get_part = operator.attrgetter(part)
     return property(lambda self: getattr(get_part(self), name),
                     lambda self, value: setattr(get_part(self), name, value), doc=doc)
@@ -143,6 +142,7 @@ class DurableCache:
                                      self.recovered, spill_blocks=spill_blocks,
                                      trigger=CheckpointTrigger(checkpoint_records, checkpoint_blocks))
                 self.cache.on_deferred_shortage = self.upkeep.force_release
+                self.write_order = WriteOrder(self.cache, self._order, self._log)
                 try:
                     self.upkeep.open_epoch(rec)
                 except BaseException:  # close what recovery opened, as a failed recovery does
@@ -267,7 +267,7 @@ class DurableCache:
         added = self.cache.commit(seq_id)
         if self.cluster is not None:
             self.cluster.after_commit(seq, durability, added)
-        return self._make_durable(seq, durability, added)
+        return self.write_order.make_durable(seq, durability, added)
 
     @poison_on_storage_error
     def release(self, seq_id: int, *, commit: bool = False, durability: str = "crash") -> Future:
@@ -282,7 +282,7 @@ class DurableCache:
             added = self.cache.commit(seq_id)
             if self.cluster is not None:
                 self.cluster.after_commit(seq, durability, added)
-            return self._make_durable(seq, durability, None, then=lambda: self._drop(seq_id))
+            return self.write_order.make_durable(seq, durability, None, then=lambda: self._drop(seq_id))
         self._drop(seq_id)
         self._log()
         return DONE_NONE
@@ -290,60 +290,6 @@ class DurableCache:
     def _drop(self, seq_id: int) -> None:
         self.cache.release(seq_id)
         self._sessions.pop(seq_id, None)
-
-    # -- the write order -----------------------------------------------------------------------
-
-    def _make_durable(self, seq, durability: str, value, then=None) -> Future:
-        """THE write order of a commit: block bytes -> (fsync) -> WAL commit -> acknowledged.
-
-        1. ``index``: the blocks are already shareable; their records ride in the next group.
-        2. Bytes down: every run on the sequence's path gets a copy in a tier that survives
-           what was asked (``crash``: host shm or disk; ``power``: disk). Disk writes are
-           queued on the store's writer thread (``TierStore.write_behind``).
-        3. ``then()`` when given (a committing release drops its sequence here): its records
-           follow the commit's in the same submission.
-        4. ``_log``: the records go into the ordered queue (``OrderedLog``); if one names a
-           disk slot as holding data, it and everything after it wait for an fdatasync of
-           the disk pool that covers the written bytes (data before metadata), then are
-           appended in order.
-        5. The ticket resolves once the WAL group holding this commit's last record is
-           committed and fsynced; only then may the commit be acknowledged. Slots freed by
-           evictions on the way become reusable once their records are durable
-           (``Upkeep.release_durable``).
-
-        Returns the ticket, resolved with ``value``.
-
-        NOTE: one ``_log`` for a committing release, not one for the commit and one for the
-        release: the second submission and its periodic checks ran after the WAL was asked
-        for the group, while the committer waited for the GIL the serving thread held (the
-        ``flush_to_woken`` stage of ``bench/rpc_stages.py``).
-        """
-        short = None
-        if durability != "index":
-            short = self._bytes_down(seq, durability)
-            if short is None:
-                crash_point("commit_data_written")
-        if then is not None:
-            then()
-        pos = self._log()  # a short commit's blocks are indexed: their records go down as ``index``'s
-        if short is not None:
-            return failed(short)
-        if durability == "index":
-            return done(value)
-        return self._order.ticket(pos, value)
-
-    def _bytes_down(self, seq, durability: str) -> DurabilityError | None:
-        """Step 2 of ``_make_durable``: None once every run on ``seq``'s path has a copy that
-        survives ``durability``, else the error (no room in the tier)."""
-        want = DISK if durability == "power" else HOST
-        if self.cache.allocators[want] is None:
-            if want == DISK:
-                return DurabilityError("power durability needs a disk tier; this cache has none")
-            want = DISK  # crash durability without a host tier: the disk serves
-        if self.cache.tiering.write_path_down(seq.node, want):
-            return None
-        return DurabilityError(f"cannot make sequence {seq.id} {durability}-durable: "
-                               f"no room in the {'disk' if want == DISK else 'host'} tier")
 
     def _log(self, session_id: int = 0, keep_headroom: bool = True) -> int:
         """The log step (``Upkeep.log_step``): drain the cache's events into the ordered
@@ -391,28 +337,6 @@ class DurableCache:
         """Fold the log into a checkpoint of the current state (``Upkeep.checkpoint``);
         returns its lsn. Runs on the caller's thread; waits for held records and the write."""
         return self.upkeep.checkpoint()
-
-    # the checkpoint's parts, for a caller that runs them apart (``prefixd.daemon.offloop``)
-
-    def checkpoint_barrier(self):
-        """``Upkeep.checkpoint_barrier``: the disk barrier to wait for first, or None."""
-        return self.upkeep.checkpoint_barrier()
-
-    def begin_picture(self):
-        """``Upkeep.begin_picture``: a picture walk to step across loop turns."""
-        return self.upkeep.begin_picture()
-
-    def begin_checkpoint(self, walk=None):
-        """``Upkeep.begin_checkpoint``: settle and picture the state (the engine's thread)."""
-        return self.upkeep.begin_checkpoint(walk)
-
-    def submit_checkpoint(self, picture, index: dict, seqs: dict) -> Future:
-        """``Upkeep.submit_checkpoint``: the picture's values to the log (any thread)."""
-        return self.upkeep.submit_checkpoint(picture, index, seqs)
-
-    def end_checkpoint(self, picture) -> None:
-        """``Upkeep.end_checkpoint``: after the write is durable (the engine's thread)."""
-        self.upkeep.end_checkpoint(picture)
 
     # -- recovered sequences -------------------------------------------------------------------
 

@@ -15,16 +15,16 @@ so a pool directory either has a manifest or was never used. A pool keeps the sl
 its manifest says: its files are sized to the budgets of when it was made (sparse: they take
 only what they hold), so a budget changed later bounds its bytes through the ledgers and
 never makes its files disagree with their headers.
+
+Composed of: the ``PoolDirectory`` (``prefixd.engine.pool_dir``: where pools live, their
+manifests, the pools found on disk), the ``Budgets`` and the ``TierLRU`` across the pools.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import logging
 import os
-import re
 from typing import NamedTuple
 
 from prefixd.api.layout import KVLayout
@@ -32,7 +32,8 @@ from prefixd.config.engine_settings import EngineConfig, Tenant
 from prefixd.config.budget_settings import Machine
 from prefixd.engine.budgets import Budgets
 from prefixd.engine.durable import DurableCache
-from prefixd.engine.errors import EngineError, PoolDirError, UnknownTenantError
+from prefixd.engine.errors import EngineError, UnknownTenantError
+from prefixd.engine.pool_dir import PoolDirectory
 from prefixd.engine.progress import RecoveryProgress
 from prefixd.engine.tier_lru import PoolRoom, SharedClock, TierLRU
 from prefixd.wal.env import ENV_DIR
@@ -40,9 +41,6 @@ from prefixd.wal.lock import StateDirLock
 
 log = logging.getLogger(__name__)
 
-POOLS_DIR = "pools"
-MANIFEST = "pool.json"
-MANIFEST_FORMAT = 1
 
 class PoolInfo(NamedTuple):
     """One pool as ``Engine.pools()`` lists it."""
@@ -52,17 +50,6 @@ class PoolInfo(NamedTuple):
     path: str
     num_blocks: tuple[int, int, int]  # indexed blocks resident per tier (device, host, disk)
     capacity: tuple[int, int, int]  # pool sizes in blocks (device, host, disk)
-
-
-def pool_dir_name(layout: KVLayout) -> str:
-    """The directory of a layout's pool: readable model id, then the layout digest (the key)."""
-    model = re.sub(r"[^A-Za-z0-9_.-]", "_", layout.model_id)[:48].lstrip(".") or "model"
-    return f"{model}-{layout.digest()[:8].hex()}"
-
-
-def salt_print(salt: bytes) -> str:
-    """What a manifest keeps of a tenant's salt: enough to notice a change, not the salt."""
-    return hashlib.blake2b(salt, digest_size=16, person=b"prefixd-salt").hexdigest()
 
 
 def cache_kwargs(config: EngineConfig, tenant: Tenant) -> dict:
@@ -124,7 +111,8 @@ class Engine:
         self._lock: StateDirLock | None = lock if lock is not None else StateDirLock(self.state_dir)
         self._pools: dict[tuple[str, KVLayout], DurableCache] = {}
         self._event_listener = None  # see ``set_event_listener``
-        self.unconfigured: list[str] = []  # pool directories of tenants no longer configured
+        self.directory = PoolDirectory(self.state_dir)  # ``pools/`` and manifests
+        self.unconfigured = self.directory.unconfigured  # pool directories of tenants no longer configured
         # one clock for every pool's eviction keys, and one LRU across the pools of a tier
         self.clock = SharedClock()
         self._rooms: dict[tuple[str, KVLayout], PoolRoom] = {}
@@ -132,7 +120,7 @@ class Engine:
             self.budgets = Budgets(self.config, self.state_dir,
                                    Machine.probe(self.state_dir, _gpu_total(self.config.use_cuda)))
             self.tier_lru = TierLRU(self.budgets.ledgers, self._rooms.items)
-            for tenant, layout, sizes in self._found():
+            for tenant, layout, sizes in self.directory.found(self.config):
                 self._pools[(tenant.name, layout)] = dc = self._open(tenant, layout, sizes)
                 self._join(dc, tenant.name, layout)
         except BaseException:
@@ -176,7 +164,7 @@ class Engine:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
         sizes = self.budgets.pool_sizes(layout)
-        _write_manifest(self.pool_path(tenant, layout), conf, layout, sizes)
+        self.directory.write_manifest(conf, layout, sizes)
         return self._open(conf, layout, sizes)
 
     def make_room_for(self, tenant: str, layout: KVLayout) -> None:
@@ -241,7 +229,7 @@ class Engine:
 
     def pool_path(self, tenant: str, layout: KVLayout) -> str:
         """Where the pool of ``tenant`` and ``layout`` lives (whether or not it exists)."""
-        return os.path.join(self.state_dir, POOLS_DIR, tenant, pool_dir_name(layout))
+        return self.directory.path(tenant, layout)
 
     # -- periodic work -----------------------------------------------------------------------------
 
@@ -331,29 +319,6 @@ class Engine:
             raise
         return dc
 
-    def _found(self) -> list[tuple[Tenant, KVLayout]]:
-        """The pools on disk whose tenant is configured, each checked against its manifest."""
-        root = os.path.join(self.state_dir, POOLS_DIR)
-        if not os.path.isdir(root):
-            return []
-        found = []
-        for tenant_name in sorted(os.listdir(root)):
-            tenant_dir = os.path.join(root, tenant_name)
-            if not os.path.isdir(tenant_dir):
-                continue
-            tenant = self.config.tenant(tenant_name)
-            if tenant is None:
-                # NOTE: a tenant taken out of the configuration keeps its pools on disk, unseen
-                # and unserved; adding it back (same salt) serves them again.
-                log.warning("pools of an unconfigured tenant left closed path=%s", tenant_dir)
-                self.unconfigured.append(tenant_dir)
-                continue
-            for name in sorted(os.listdir(tenant_dir)):
-                read = _read_manifest(os.path.join(tenant_dir, name), tenant)
-                if read is not None:
-                    found.append((tenant, *read))
-        return found
-
 
 def _gpu_total(use_cuda: bool | None) -> int | None:
     """The GPU's memory when the device tier is on it (what a ``device`` percentage is of)."""
@@ -364,77 +329,3 @@ def _gpu_total(use_cuda: bool | None) -> int | None:
     if not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_properties(0).total_memory
-
-
-def _read_manifest(path: str, tenant: Tenant) -> tuple[KVLayout, tuple | None] | None:
-    """The layout of the pool in ``path`` and its sizes in slots per tier (None in a manifest
-    from before byte budgets), checked; None for a creation that never finished.
-
-    Raises:
-        PoolDirError: no manifest beside pool data, a damaged one, or one that disagrees with
-            the directory's place or the tenant's salt.
-    """
-    manifest = os.path.join(path, MANIFEST)
-    if not os.path.exists(manifest):
-        leftovers = set(os.listdir(path)) - {MANIFEST + ".tmp"}
-        if leftovers:
-            raise PoolDirError(path, f"it holds {sorted(leftovers)} but no {MANIFEST}, so its "
-                               f"tenant and layout are unknown: restore {MANIFEST} from a backup, "
-                               f"or move the directory out of the state directory")
-        # a pool() that crashed before its manifest landed: nothing was ever stored in it
-        for leftover in os.listdir(path):
-            os.unlink(os.path.join(path, leftover))
-        os.rmdir(path)
-        log.info("removed the directory of a pool whose creation never finished path=%s", path)
-        return None
-    try:
-        with open(manifest, "rb") as f:
-            meta = json.loads(f.read())
-        if meta.get("format") != MANIFEST_FORMAT:
-            raise ValueError(f"manifest format {meta.get('format')!r}, this build reads "
-                             f"{MANIFEST_FORMAT}")
-        layout = KVLayout.from_bytes(bytes.fromhex(meta["layout"]))
-        tenant_name, printed = meta["tenant"], meta["salt_print"]
-        sizes = meta.get("num_slots")
-        if sizes is not None:
-            sizes = tuple(int(n) for n in sizes)
-            if len(sizes) != 3 or min(sizes) < 0:
-                raise ValueError(f"num_slots {sizes!r} is not three slot counts")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise PoolDirError(path, f"{MANIFEST} cannot be read ({exc}): restore it from a backup, "
-                           f"or move the directory out of the state directory") from exc
-    if tenant_name != tenant.name or pool_dir_name(layout) != os.path.basename(path):
-        raise PoolDirError(path, f"{MANIFEST} names tenant {tenant_name!r} and a layout stored "
-                           f"as {pool_dir_name(layout)!r}, not this directory: move it back "
-                           f"where it came from")
-    if printed != salt_print(tenant.salt):
-        raise PoolDirError(path, f"tenant {tenant.name!r} has a different salt than when this "
-                           f"pool was made, and its blocks were named under the old one: restore "
-                           f"the old salt in [[engine.tenants]], or delete the directory to "
-                           f"drop that cache")
-    return layout, sizes
-
-
-def _write_manifest(path: str, tenant: Tenant, layout: KVLayout, sizes) -> None:
-    """Write ``path/pool.json`` durably (file, then every new directory entry up to the state
-    directory) before anything else is put in ``path``."""
-    os.makedirs(path, mode=0o750, exist_ok=True)
-    data = json.dumps({"format": MANIFEST_FORMAT, "tenant": tenant.name,
-                       "model_id": layout.model_id, "layout": layout.to_bytes().hex(),
-                       "salt_print": salt_print(tenant.salt),
-                       "num_slots": list(sizes)}, indent=1).encode()
-    tmp = os.path.join(path, MANIFEST + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, os.path.join(path, MANIFEST))
-    tenant_dir = os.path.dirname(path)
-    for directory in (path, tenant_dir, os.path.dirname(tenant_dir)):
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

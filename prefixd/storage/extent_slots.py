@@ -21,18 +21,13 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import logging
-import time
 import numpy as np
 
-from prefixd.storage.errors import NoSpaceError
 from prefixd.storage.extents import SparsePoolFile
+from prefixd.storage.grow_gate import GrowGate
 from prefixd.storage.quarantine_batches import QuarantineBatches
 
-log = logging.getLogger(__name__)
-
 KEEP_IDLE_EXTENTS = 1  # idle extents a pool keeps after a release: churn need not re-fallocate
-NO_SPACE_RETRY_S = 1.0  # after ENOSPC, grows are tried again at most this often
 _HELD, _HOLE = 1, 2
 
 
@@ -64,9 +59,7 @@ class ExtentSlotAllocator:
         self.extents = pool_file.extent_map
         self.num_slots = self.extents.num_slots
         self.keep_idle = keep_idle
-        self.grow_refusals = 0  # grows refused, by the ledger or the filesystem
-        self.no_space_refusals = 0  # ... by the filesystem (ENOSPC, EDQUOT)
-        self.out_of_space = False  # the last grow tried met ENOSPC or EDQUOT
+        self.gate = GrowGate(pool_file)  # grows of the file, and the refusals met (counted there)
         em = self.extents
         self._off, self._bb, self._ext = em.data_offset, em.block_bytes, em.extent_bytes
         self._wide = em.block_bytes > em.extent_bytes  # a slot may span several extents
@@ -79,8 +72,6 @@ class ExtentSlotAllocator:
         self._num_bucketed = 0
         self._fresh = 0
         self._quarantine = QuarantineBatches()
-        self._refused_at: float | None = None  # when a grow was last refused (None: not since)
-        self._refused_no_space = False
         self.may_shrink = None  # a callable: False postpones punching (writes still queued)
 
     # -- geometry -----------------------------------------------------------------------------
@@ -99,7 +90,7 @@ class ExtentSlotAllocator:
     @property
     def num_free(self) -> int:
         """Free slots; while a grow is refused, only those in held extents (what can be had)."""
-        if self._refused_at is not None and not self._room_may_be_back():
+        if self.gate.refused():
             return self._num_ready + self._fresh_held_end() - self._fresh
         return self._num_bucketed + self.num_slots - self._fresh
 
@@ -114,22 +105,11 @@ class ExtentSlotAllocator:
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free
 
-    def _room_may_be_back(self) -> bool:
-        """Whether a refused grow is worth trying again; clears the refusal if so."""
-        if self._refused_no_space:
-            back = time.monotonic() - self._refused_at >= NO_SPACE_RETRY_S
-        else:
-            f = self.file
-            back = f.ledger.can_charge(f.tenant, self.extents.extent_bytes)
-        if back:
-            self._refused_at = None
-        return back
-
     # -- allocate -----------------------------------------------------------------------------
 
     def allocate(self, n: int) -> list[int] | None:
         """Take ``n`` free slots, their extents grown; ``None`` (nothing taken) when fewer are
-        free or their extents cannot grow (a refusal, counted in ``grow_refusals``)."""
+        free or their extents cannot grow (a refusal, counted in ``gate.grow_refusals``)."""
         if n == 0:
             return []
         if not self._recovered:
@@ -222,30 +202,13 @@ class ExtentSlotAllocator:
             counts[k + 1] = counts.get(k + 1, 0) + 1
 
     def _grow_for(self, slots: list[int], counts: dict[int, int]) -> bool:
-        try:
-            if not self.file.take(slots, touched=counts):
-                self._refuse(False)
-                return False
-        except NoSpaceError as exc:
-            if not self.out_of_space:
-                log.info("pool file cannot grow, the filesystem is full: %s", exc)
-            self.no_space_refusals += 1
-            self.out_of_space = True
-            self._refuse(True)
+        if not self.gate.grow(slots, counts):
             return False
-        if self.out_of_space:
-            log.info("pool file grows again path=%s", self.file.path)
-            self.out_of_space = False
         places = self._where
         for k in counts:
             if places.get(k) == _HOLE:
                 self._flip(k, _HELD)
         return True
-
-    def _refuse(self, no_space: bool) -> None:
-        self.grow_refusals += 1
-        self._refused_at = time.monotonic()
-        self._refused_no_space = no_space
 
     def _flip(self, k: int, where: int) -> None:
         """Extent ``k`` became held or a hole: move its bucket to the other heap."""

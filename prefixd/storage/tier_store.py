@@ -36,26 +36,24 @@ per-block verdict when ``verify`` (expected checksums) was given for a DISK sour
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Mapping, Sequence
 
-import numpy as np
 import torch
 
 from prefixd.api.layout import KVLayout
-from prefixd.api.tiers import DEVICE, DISK, Tier
+from prefixd.api.tiers import Tier
 from prefixd.crashpoints import crash_point
-from prefixd.storage import checksum, movement
-from prefixd.storage.block_io import BlockIO, host_rows, row_slots
+from prefixd.storage import movement
+from prefixd.storage.block_io import BlockIO
 from prefixd.storage.budget_ledger import BudgetLedger
 from prefixd.storage.extent_slots import ExtentSlotAllocator
 from prefixd.storage.movement import CopyResult, Staging
 from prefixd.storage.pools import DEFAULT_TENANT, UNBOUNDED, DiskPool, TensorPool, open_pool
 from prefixd.storage.slots import SlotAllocator
 from prefixd.storage.spill_buffers import SpillBuffers
+from prefixd.storage.tier_copy import TierCopier
 from prefixd.storage.write_behind import DiskWriter
 
 log = logging.getLogger(__name__)
@@ -146,12 +144,14 @@ class TierStore:
         self._helper = ThreadPoolExecutor(movement.HELPER_THREADS, thread_name_prefix="prefixd-storage-io")
         self._async = ThreadPoolExecutor(1, thread_name_prefix="prefixd-storage-async")
         self._staging = Staging(layout.block_bytes, pin=cuda) if Tier.DISK in self._pools else None
-        self.write_behind = False
         self._writer = DiskWriter(self._sync_disk, self._pools[Tier.DISK].path) if Tier.DISK in self._pools else None
         if self._writer is not None and isinstance(self._allocators[Tier.DISK], ExtentSlotAllocator):
             # a queued write into a punched extent would allocate it again behind the ledger
             self._allocators[Tier.DISK].may_shrink = self._writer.idle
         self._spill_buffers = SpillBuffers(layout.block_bytes) if self._writer is not None else None
+        # copies between tiers, and the write-behind path into DISK (``copy``, ``copy_within``)
+        self.copier = TierCopier(self._pools, self.pool, self._check_range, self._writer, self._staging,
+                                 self._helper, self._spill_buffers)
         # reads, writes and checksums by slot (``read``, ``write``, ``checksum``, ``verify``)
         self.blocks = BlockIO(layout, self.pool, self._check_range, self._writer, self._staging, self._helper)
         log.info("tier store open name=%s blocks=%s block_bytes=%d", self.name,
@@ -195,7 +195,7 @@ class TierStore:
     def grow_refusals(self, tier: Tier) -> int:
         """Grows of the tier's file refused so far (budget full, ENOSPC or EDQUOT)."""
         alloc = self.allocator(tier)
-        return alloc.grow_refusals if isinstance(alloc, ExtentSlotAllocator) else 0
+        return alloc.gate.grow_refusals if isinstance(alloc, ExtentSlotAllocator) else 0
 
     def no_space(self, tier: Tier) -> tuple[int, bool]:
         """Grows the filesystem refused so far (ENOSPC, EDQUOT), and whether the last one tried
@@ -203,7 +203,7 @@ class TierStore:
         alloc = self.allocator(tier)
         if not isinstance(alloc, ExtentSlotAllocator):
             return 0, False
-        return alloc.no_space_refusals, alloc.out_of_space
+        return alloc.gate.no_space_refusals, alloc.gate.out_of_space
 
     def read(self, tier: Tier, slots: Sequence[int]) -> torch.Tensor:
         """A copy of the blocks (``BlockIO.read``)."""
@@ -238,93 +238,24 @@ class TierStore:
     # ----------------------------------------------------------------------------- movement
     def copy(self, src_tier: Tier, src_slots: Sequence[int], dst_tier: Tier, dst_slots: Sequence[int], *,
              verify: Sequence[int] | None = None, durable: bool = False, checksums: bool = True) -> CopyResult:
-        """Copy blocks ``src_slots`` of one tier into ``dst_slots`` of another, as one batch.
-
-        Args:
-            verify: expected checksums, one per block, when the source is DISK; a block that
-                does not match is reported ``ok=False`` and its bytes are not written.
-            durable: when the destination is DISK, fdatasync before returning.
-            checksums: ``False``: a copy between memory tiers does not hash what it wrote
-                (``CopyResult.checksums`` is None); a copy into or out of DISK always does.
-        Returns:
-            CopyResult (see the module docstring).
-        Raises:
-            ValueError: unequal lengths, slots out of range, ``verify`` with a non-DISK source.
-            StorageError: an I/O error, naming the file and offset.
-        """
-        # NOTE: the tiers are compared with the plain ints ``DEVICE``/``DISK`` on this path:
-        # ``Tier.DISK`` is a lookup through the enum metaclass's ``__getattr__`` on Python
-        # 3.11 (~1 us), and a request's commit copies several times.
-        src_slots, dst_slots = list(src_slots), list(dst_slots)
-        src, dst = self.pool(src_tier), self.pool(dst_tier)
-        _check_count(src_slots, dst_slots)
-        if verify is not None and src_tier != DISK:
-            raise ValueError("verify= is for copies from DISK; memory tiers are not re-checked")
-        if not src_slots:
-            return CopyResult([] if dst_tier != DEVICE else None, [] if verify is not None else None)
-        self._check_range(src_tier, src_slots)
-        # a destination that is one run (a write-down's fresh allocation mostly is) is checked
-        # by its ends, and copied into as a slice (``movement._gather_inline``)
-        dst_first = movement.run_start(dst_slots)
-        self._check_range(dst_tier, dst_slots, dst_first)
-        if isinstance(dst, DiskPool) and not isinstance(src, DiskPool) and self.write_behind:
-            return self._write_behind(src, src_slots, dst, dst_slots, durable)
-        if self._writer is not None and (isinstance(src, DiskPool) or isinstance(dst, DiskPool)):
-            self._writer.wait_written()
-        if isinstance(src, DiskPool):
-            target = dst if isinstance(dst, DiskPool) else dst.raw
-            result = movement.read_from_disk(src, src_slots, target, dst_slots, verify, self._staging, self._helper)
-        elif isinstance(dst, DiskPool):
-            result = movement.write_to_disk(host_rows(src, src_slots), row_slots(src, src_slots),
-                                            dst, dst_slots, self._helper)
-        else:
-            result = movement.copy_tensors(src, src_slots, dst, dst_slots, self._helper,
-                                           want_checksums=checksums and dst_tier != DEVICE,
-                                           dst_first=-1 if dst_first is None else dst_first)
-        if durable and dst_tier == DISK:
-            self.sync(DISK)
-        return result
+        """Copy blocks ``src_slots`` of one tier into ``dst_slots`` of another, as one batch
+        (``TierCopier.copy``: the arguments, the result and what it raises)."""
+        return self.copier.copy(src_tier, src_slots, dst_tier, dst_slots,
+                                verify=verify, durable=durable, checksums=checksums)
 
     def copy_run(self, src_tier: Tier, src_slots: list[int], dst_tier: Tier, dst_slots: list[int]) -> bool:
-        """``copy`` for one run of slots into one run, both tiers in host memory (a commit's
-        write-through: fresh device slots into fresh host slots): one ``copyto``, no checksums.
-        False, with nothing copied, when either side is not one ascending run, or a tier is
-        DISK or CUDA (``copy`` moves those).
+        """``copy`` for one run of slots into one run in host memory (``TierCopier.copy_run``);
+        False, with nothing copied, where it does not apply."""
+        return self.copier.copy_run(src_tier, src_slots, dst_tier, dst_slots)
 
-        Raises ValueError: unequal lengths, or a run out of its tier's range.
+    @property
+    def write_behind(self) -> bool:
+        """True: copies from a memory tier into DISK return before their pwritev (see the class)."""
+        return self.copier.write_behind
 
-        NOTE: ``copy``'s general path (list copies, per-call checks, the checksum and writer
-        decisions, the gather's own run tests) is most of a small commit's write-through; a
-        run to a run needs none of it."""
-        src_rows = getattr(self._pools.get(src_tier), "rows", None)  # a DiskPool has none,
-        dst_rows = getattr(self._pools.get(dst_tier), "rows", None)  # a CUDA pool None
-        if src_rows is None or dst_rows is None or not src_slots:
-            return False
-        _check_count(src_slots, dst_slots)
-        s0, d0 = movement.run_start(src_slots), movement.run_start(dst_slots)
-        if s0 is None or d0 is None:
-            return False
-        n = len(src_slots)
-        self._check_range(src_tier, src_slots, s0)
-        self._check_range(dst_tier, dst_slots, d0)
-        np.copyto(dst_rows[d0:d0 + n], src_rows[s0:s0 + n])
-        return True
-
-    def _write_behind(self, src: TensorPool, src_slots: list[int], disk: DiskPool, dst_slots: list[int],
-                      durable: bool) -> CopyResult:
-        """Snapshot and hash the source rows here; the writer thread pwritevs them."""
-        n = len(src_slots)
-        if src.rows is not None:  # one gather into a reused buffer: the snapshot
-            rows = self._spill_buffers.take(src.rows, src_slots)
-            job = functools.partial(_write_then_give_back, self._spill_buffers, rows, disk, dst_slots)
-        else:  # pragma: no cover - a GPU source; host_rows is already a copy
-            rows = host_rows(src, src_slots)
-            job = functools.partial(movement.write_to_disk, rows, range(n), disk, dst_slots, None, False)
-        sums = checksum.checksum_rows(rows, range(n))
-        self._writer.submit(job, n * disk.block_bytes)
-        if durable:
-            self.sync(DISK)
-        return CopyResult(sums, None)
+    @write_behind.setter
+    def write_behind(self, value: bool) -> None:
+        self.copier.write_behind = value
 
     def copy_async(self, src_tier: Tier, src_slots: Sequence[int], dst_tier: Tier, dst_slots: Sequence[int], *,
                    verify: Sequence[int] | None = None, durable: bool = False) -> Future:
@@ -333,19 +264,12 @@ class TierStore:
                                   verify=verify, durable=durable)
 
     def copy_within(self, tier: Tier, src_slots: Sequence[int], dst_slots: Sequence[int]) -> None:
-        """Copy blocks inside one tier (copy-on-write). Source and destination slots must be disjoint.
+        """Copy blocks inside one tier (copy-on-write; ``TierCopier.copy_within``).
 
         Raises:
             ValueError: overlapping or out-of-range slots.
         """
-        if set(src_slots) & set(dst_slots):
-            raise ValueError("copy_within: source and destination slots overlap")
-        pool = self.pool(tier)
-        if isinstance(pool, DiskPool):
-            self.copy(tier, src_slots, tier, dst_slots)  # waits for queued writes
-            return
-        self._check_slots(tier, list(src_slots), tier, list(dst_slots))
-        movement.copy_rows(pool.tensor, list(src_slots), pool.tensor, list(dst_slots))
+        self.copier.copy_within(tier, src_slots, dst_slots)
 
     def sync(self, tier: Tier) -> None:
         """Make written bytes durable: one fdatasync for DISK (queued writes included); nothing
@@ -419,23 +343,6 @@ class TierStore:
         if lo < 0 or hi >= n:
             raise ValueError(f"{Tier(tier).name} slots must be in [0, {n}), got {lo}..{hi}")
 
-    def _check_slots(self, src_tier: Tier, src_slots: list, dst_tier: Tier, dst_slots: list) -> None:
-        _check_count(src_slots, dst_slots)
-        self._check_range(src_tier, src_slots)
-        self._check_range(dst_tier, dst_slots)
-
     def _close_pools(self) -> None:
         for pool in getattr(self, "_pools", {}).values():
             pool.close()
-
-
-def _write_then_give_back(buffers: SpillBuffers, rows, disk: DiskPool, dst_slots: list[int]) -> None:
-    """The writer thread's job for a snapshot in a ``SpillBuffers`` buffer: write, then hand
-    the buffer back (not on failure: the writer is failed for good and the buffer just goes)."""
-    movement.write_to_disk(rows, range(len(dst_slots)), disk, dst_slots, None, False)
-    buffers.give_back(rows)
-
-
-def _check_count(src_slots: list, dst_slots: list) -> None:
-    if len(src_slots) != len(dst_slots):
-        raise ValueError(f"copy needs as many destination slots as source slots: {len(src_slots)} != {len(dst_slots)}")

@@ -46,7 +46,8 @@ from prefixd.api.layout import KVLayout
 from prefixd.api.tiers import DISK
 from prefixd.config.engine_settings import EngineConfig, TierSizes
 from prefixd.config.toml_reader import engine_config
-from prefixd.engine.engine import MANIFEST, POOLS_DIR, cache_kwargs
+from prefixd.engine.engine import cache_kwargs
+from prefixd.engine.pool_dir import MANIFEST, POOLS_DIR
 from prefixd.storage.poolfile import HEADER_BYTES, PoolHeader
 from prefixd.wal.errors import StateLockedError
 from prefixd.wal.lock import StateDirLock

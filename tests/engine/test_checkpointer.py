@@ -79,14 +79,14 @@ def test_a_checkpoint_written_while_the_engine_served_on_restores_the_state_at_t
     asked = prompts(3, 60)
     for p in asked[:20]:
         serve(dc, p)
-    picture = dc.begin_checkpoint()
+    picture = dc.upkeep.begin_checkpoint()
     before = state(dc, asked)
     for p in asked[20:50]:  # the engine serves on: the picture must not see any of it
         serve(dc, p, "power" if p[-1] % 3 == 0 else "crash")
     assert state(dc, asked) != before
     index, seqs = picture.values()
-    dc.submit_checkpoint(picture, index, seqs).result()
-    dc.end_checkpoint(picture)
+    dc.upkeep.submit_checkpoint(picture, index, seqs).result()
+    dc.upkeep.end_checkpoint(picture)
     for p in asked[50:]:
         serve(dc, p)
     want = state(dc, asked)

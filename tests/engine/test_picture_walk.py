@@ -101,21 +101,21 @@ def test_a_picture_taken_in_slices_between_changes_is_the_state_when_it_finishes
     for _ in range(3):  # a few checkpoints, each walked a few runs at a time
         for _ in range(2):  # committed while the walk goes on, after it recorded their runs
             churn.hold(churn.rng.choice(churn.asked))
-        walk = dc.begin_picture()
+        walk = dc.upkeep.begin_picture()
         slices = 0
         while not walk.step(most=2):
             for _ in range(churn.rng.randrange(4)):
                 churn.step()
             slices += 1
         assert slices > 5
-        picture = dc.begin_checkpoint(walk)
+        picture = dc.upkeep.begin_checkpoint(walk)
         want_index, want_seqs = ckpt.dump_engine(dc.cache, dc._sessions, dc.recovered.values(),
                                                  dc.store.file_ids)
         index, seqs = picture.values()
         assert _runs(index, block_bytes) == _runs(want_index, block_bytes)
         assert seqs == want_seqs
-        dc.submit_checkpoint(picture, index, seqs).result()
-        dc.end_checkpoint(picture)
+        dc.upkeep.submit_checkpoint(picture, index, seqs).result()
+        dc.upkeep.end_checkpoint(picture)
         for _ in range(40):  # the log after the checkpoint
             churn.step()
     dc.check_invariants()
@@ -130,18 +130,18 @@ def test_one_walk_at_a_time_and_a_walk_finished_only_at_its_end(make):
     dc = make()
     for p in prompts(4, 30):
         serve(dc, p)
-    walk = dc.begin_picture()
+    walk = dc.upkeep.begin_picture()
     with pytest.raises(RuntimeError, match="already being taken"):
         PictureWalk(dc.cache.tree)
     assert not walk.step(most=1)
     with pytest.raises(RuntimeError, match="nodes left"):
-        dc.begin_checkpoint(walk)
+        dc.upkeep.begin_checkpoint(walk)
     assert dc.cache.tree.changed is None  # a failed finish stops the marks
-    dc.begin_picture().close()  # and another walk may start
+    dc.upkeep.begin_picture().close()  # and another walk may start
 
 
 def _pictured_equals_dump(dc, walk) -> None:
-    picture = dc.begin_checkpoint(walk)
+    picture = dc.upkeep.begin_checkpoint(walk)
     want_index, want_seqs = ckpt.dump_engine(dc.cache, dc._sessions, dc.recovered.values(),
                                              dc.store.file_ids)
     index, seqs = picture.values()
@@ -157,7 +157,7 @@ def test_a_commit_that_finds_its_blocks_indexed_after_the_walk_recorded_them(mak
     seq = dc.open(prompt)
     StoreTokens(dc.store, BS).write(seq.block_table, prompt, seq.cached_tokens)
     serve(dc, prompt)
-    walk = dc.begin_picture()
+    walk = dc.upkeep.begin_picture()
     walk.step(float("inf"))
     dc.commit(seq.id).result()
     _pictured_equals_dump(dc, walk)

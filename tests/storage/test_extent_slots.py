@@ -87,14 +87,14 @@ def test_a_refused_grow_returns_none_and_only_held_slots_count_as_free(tmp_path)
     first = alloc.allocate(31)  # extents 0 and 1: the budget's all
     assert first is not None and ledger.used_bytes == 2 * EXTENT
     assert alloc.allocate(1) is None
-    assert alloc.grow_refusals == 1
+    assert alloc.gate.grow_refusals == 1
     assert alloc.num_free == 0  # nothing can be had until the cache evicts
     alloc.free(first[-3:])
     assert alloc.num_free == 3
     assert sorted(alloc.allocate(3)) == sorted(first[-3:])
     alloc.free(first)
     assert alloc.num_free == 64 - 0 and alloc.allocate(40) is None  # past the budget
-    assert alloc.grow_refusals == 2
+    assert alloc.gate.grow_refusals == 2
 
 
 def test_the_first_take_is_the_files_recovery(tmp_path):

@@ -187,9 +187,9 @@ def test_a_grow_a_full_tmpfs_refuses_is_no_room_not_a_sigbus(tiny_tmpfs, tmp_pat
     alloc = ExtentSlotAllocator(sparse, recovered=True, keep_idle=0)
     try:
         got = alloc.allocate(40)  # 640 KiB of a 4 MiB file
-        assert got is not None and alloc.grow_refusals == 0
+        assert got is not None and alloc.gate.grow_refusals == 0
         assert alloc.allocate(40) is None
-        assert alloc.grow_refusals == 1
+        assert alloc.gate.grow_refusals == 1
         assert alloc.num_free < 256 - 40  # only what can be had, so the cache evicts for it
         alloc.free(got)
         assert sparse.charged == 64 << 10  # the header's extent is all that is left
