@@ -115,6 +115,17 @@ class DaemonProcess(DaemonProc):
         """Allow runs that end (on their own or at SIGTERM) with one of ``statuses``."""
         self.allowed_exits.update(statuses)
 
+    def start_refused(self, timeout: float = 120.0) -> str:
+        """Start a daemon whose start must be refused: it exits 1 with a ``not starting:`` line
+        and no traceback; returns its log. The caller still closes it."""
+        self.expect_exit(1)  # the refusal is the behaviour under test
+        self.expect_log(r"not starting:")
+        self.start(wait=False)
+        assert self.proc.wait(timeout) == 1
+        log = self.log()
+        assert "not starting:" in log and "Traceback" not in log, log
+        return log
+
     def problems(self) -> list[str]:
         """What the check fails on: bad exits and unexpected log lines."""
         found = []

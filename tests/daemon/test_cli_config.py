@@ -17,12 +17,8 @@ def test_a_config_that_does_not_load_stops_the_start_with_one_line(config, words
     """Regression: ``ConfigError`` is the config part's, not an engine error, so the start's
     ``except`` must name it; without it a bad file ends in a traceback."""
     daemon = DaemonProcess(config)
-    daemon.expect_exit(1)  # the refusal is the behaviour under test
-    daemon.expect_log(r"not starting:")
     try:
-        daemon.start(wait=False)
-        assert daemon.proc.wait(120) == 1
-        log = daemon.log()
+        log = daemon.start_refused()
         assert "not starting:" in log and words in log, log
         assert "Traceback" not in log, log
     finally:
