@@ -30,7 +30,6 @@ Hit rate is hit tokens over requested tokens, all three layouts together.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import pathlib
@@ -49,6 +48,7 @@ from prefixd.config.budget_settings import BudgetSpec  # noqa: E402
 from prefixd.engine import Engine  # noqa: E402
 from prefixd.engine.durable import DurableCache  # noqa: E402
 from prefixd.storage.poolfile import DATA_OFFSET  # noqa: E402
+from prefixd.tools.driver import gc_paused  # noqa: E402
 from prefixd.tools.workloads import gsp  # noqa: E402
 
 BS = 16
@@ -109,14 +109,10 @@ def run_engine(reqs, config_of) -> dict:
         with Engine(os.path.join(dirs.root, "state"), config_of(dirs.shm)) as engine:
             pools = {lay: engine.pool("bench", lay) for lay, _ in SHARES}
             totals = []
-            gc.collect()
-            gc.disable()
-            try:
+            with gc_paused():
                 for lay, req in reqs:
                     totals.append(_serve(pools[lay], req))
                     _settle(pools[lay])
-            finally:
-                gc.enable()
             hits = sum(dc.cache.stats.hit_tokens for dc in pools.values())
             asked = sum(dc.cache.stats.requested_tokens for dc in pools.values())
             by_layout = {lay.model_id: round(dc.cache.stats.hit_rate, 4) for lay, dc in pools.items()}
@@ -152,20 +148,21 @@ def run_baseline(reqs, device: int, host: int) -> dict:
         dc = DurableCache(os.path.join(dirs.root, "state"), HOT, sizes, sync="none", shm_dir=dirs.shm,
                           checkpoint_records=10**9, checkpoint_blocks=10**12)
         try:
-            totals = []
-            gc.collect()
-            gc.disable()
-            try:
-                for _, req in reqs:
-                    totals.append(_serve(dc, req))
-                    _settle(dc)
-            finally:
-                gc.enable()
-            return {"per_request_us": _median_us(totals), "hit_rate": round(dc.cache.stats.hit_rate, 4)}
+            return _timed(dc, reqs)
         finally:
             dc.close()
     finally:
         dirs.close()
+
+
+def _timed(dc, reqs) -> dict:
+    """Each request served (timed) then its log settled (untimed), the collector paused."""
+    totals = []
+    with gc_paused():
+        for _, req in reqs:
+            totals.append(_serve(dc, req))
+            _settle(dc)
+    return {"per_request_us": _median_us(totals), "hit_rate": round(dc.cache.stats.hit_rate, 4)}
 
 
 def run_hot_alone(reqs, device: int, host: int) -> dict:
@@ -174,16 +171,7 @@ def run_hot_alone(reqs, device: int, host: int) -> dict:
     try:
         with Engine(os.path.join(dirs.root, "state"), _config(dirs.shm, device, host)) as engine:
             dc = engine.pool("bench", HOT)
-            totals = []
-            gc.collect()
-            gc.disable()
-            try:
-                for _, req in reqs:
-                    totals.append(_serve(dc, req))
-                    _settle(dc)
-            finally:
-                gc.enable()
-            return {"per_request_us": _median_us(totals), "hit_rate": round(dc.cache.stats.hit_rate, 4)}
+            return _timed(dc, reqs)
     finally:
         dirs.close()
 
