@@ -33,6 +33,7 @@ import random
 import signal
 import sys
 import time
+import traceback
 
 import grpc
 import numpy as np
@@ -339,6 +340,35 @@ def serve_planted(argv: list[str]) -> int:
     return cli.main(argv)
 
 
+def _serve_forked(cli, log_path: str, argv: list[str]) -> int:
+    """``prefixd serve`` in a forked child, as a fresh interpreter would run it: stdin from
+    /dev/null, stdout and stderr appended to ``log_path``, a traceback printed and status 1 on
+    an exception, ``sys.exit``'s status kept; returns the status for ``os._exit``."""
+    code = 1
+    try:
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(null)
+        os.close(fd)
+        code = cli.main(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed stream: nothing left to say
+                pass
+    return code
+
+
 def zygote() -> None:
     """Import the daemon once, then fork one ``prefixd serve`` per stdin line (a JSON list:
     the log path, then the command's arguments) and print its pid.
@@ -360,14 +390,7 @@ def zygote() -> None:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             pid = os.fork()
             if pid == 0:
-                code = 1
-                try:
-                    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-                    os.dup2(fd, 1)
-                    os.dup2(fd, 2)
-                    code = cli.main(argv)
-                finally:
-                    os._exit(code)
+                os._exit(_serve_forked(cli, log_path, argv))
             print(pid, flush=True)
             status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
             with open(os.path.join(os.path.dirname(log_path), f"exit-{pid}.tmp"), "w") as f:

@@ -13,10 +13,16 @@ its own state directory and shm directory, started and stopped like an operator 
 A test that provokes an error line declares it (``expect_log=[regex, ...]`` or
 ``d.expect_log(regex)``), with a comment saying why the daemon is right to log it; one whose
 daemon is meant to exit by itself declares the status (``d.expect_exit(status)``).
+
+A daemon given no environment and no entry of its own is forked from a zygote that imported
+the daemon once (``tests.daemon.zygote``): the same ``prefixd serve`` from ``cli.main`` on,
+without torch's import at every start. ``fork=False`` (or ``PREFIXD_TEST_FORK=0`` for the whole
+run) starts a fresh interpreter instead, as ``prefixd.tools.daemon_proc`` always does.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import tempfile
@@ -72,20 +78,33 @@ class DaemonProcess(DaemonProc):
 
     ``exit_status_known``: False where the child's status cannot be read (a daemon forked by
     a zygote that reaps it); its log is checked all the same.
+    ``fork``: fork each start from a zygote (None: where ``env`` and ``entry`` are not given).
     """
 
     exit_status_known = True
 
     def __init__(self, config: str | None = None, *, lease_s: float = 3.0,
                  base: str | None = None, env: dict | None = None,
-                 expect_log: list[str] = (), entry: list[str] | None = None) -> None:
+                 expect_log: list[str] = (), entry: list[str] | None = None,
+                 fork: bool | None = None) -> None:
         super().__init__(base or tempfile.mkdtemp(prefix="pd-", dir="/tmp"),
                          config=config or DEFAULT_CONFIG, lease_s=lease_s, env=env, entry=entry)
+        self._fork = (env is None and entry is None) if fork is None else fork
         self.allowed_log = [re.compile(p) for p in expect_log]
         self.allowed_exits: set[int] = set()
         self._channels: list[grpc.Channel] = []
 
     # -- process -------------------------------------------------------------------------------
+
+    def forks(self) -> bool:
+        return self._fork and os.environ.get("PREFIXD_TEST_FORK", "1") != "0"
+
+    def spawn(self, log):
+        if not self.forks():
+            return super().spawn(log)
+        from tests.daemon.zygote import zygote_for
+
+        return zygote_for(self.env).spawn(self.log_path, self.serve_args())
 
     def start(self, *, wait: bool = True, timeout: float = 90.0) -> "DaemonProcess":
         self.launch()
