@@ -380,8 +380,15 @@ def zygote() -> None:
     child of a waiter forked for it, which writes the daemon's exit status (as Popen's
     ``returncode``) to ``exit-<pid>`` beside its log once it is reaped.
     """
+    import gc
+
     import prefixd.daemon.server  # noqa: F401 - torch, grpc and the engine, once
     from prefixd.daemon import cli
+
+    # the imports, frozen here once: each daemon's start-up collection (collector.py) then
+    # walks only its own objects, not the 180k it inherits (0.15 s of each start)
+    gc.collect()
+    gc.freeze()
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
     for line in sys.stdin:

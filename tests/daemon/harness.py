@@ -78,7 +78,7 @@ class DaemonProcess(DaemonProc):
 
     ``exit_status_known``: False where the child's status cannot be read (a daemon forked by
     a zygote that reaps it); its log is checked all the same.
-    ``fork``: fork each start from a zygote (None: where ``env`` and ``entry`` are not given).
+    ``fork``: fork each start from a zygote (None: where ``env`` and ``entry`` are the defaults).
     """
 
     exit_status_known = True
@@ -89,7 +89,8 @@ class DaemonProcess(DaemonProc):
                  fork: bool | None = None) -> None:
         super().__init__(base or tempfile.mkdtemp(prefix="pd-", dir="/tmp"),
                          config=config or DEFAULT_CONFIG, lease_s=lease_s, env=env, entry=entry)
-        self._fork = (env is None and entry is None) if fork is None else fork
+        self._fork = fork
+        self._plain = (dict(self.env), list(self.entry)) if env is None and entry is None else None
         self.allowed_log = [re.compile(p) for p in expect_log]
         self.allowed_exits: set[int] = set()
         self._channels: list[grpc.Channel] = []
@@ -97,7 +98,13 @@ class DaemonProcess(DaemonProc):
     # -- process -------------------------------------------------------------------------------
 
     def forks(self) -> bool:
-        return self._fork and os.environ.get("PREFIXD_TEST_FORK", "1") != "0"
+        """Whether the next start forks: as ``fork`` says, else where the test changed neither
+        the environment nor the entry (a fixture may, between two starts)."""
+        if os.environ.get("PREFIXD_TEST_FORK", "1") == "0":
+            return False
+        if self._fork is not None:
+            return self._fork
+        return self._plain is not None and (self.env, self.entry) == self._plain
 
     def spawn(self, log):
         if not self.forks():

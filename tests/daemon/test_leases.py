@@ -26,7 +26,7 @@ from prefixd.api import prefixd_pb2 as pb
 from tests.daemon.gsp_load import BS, packed, pb_layout, systems, write_kv
 from tests.daemon.harness import ROOT, DaemonProcess, start_daemon
 
-DEVICE = 128
+DEVICE = 320
 CONFIG = """
 [engine]
 sync = "commit"
@@ -45,7 +45,7 @@ lease_s = {lease_s}
 # a whole lease between two calls ends its session before it is ready (CI, once, at 1.0 s)
 SHORT_LEASE = 2.0
 SLACK_S = 3.0  # past the lease: the sweep's tick, and a loaded 2-core machine
-CYCLES, PER_CYCLE = 50, 4
+CYCLES, PER_CYCLE = 10, 20  # 200 holders killed, every mode in every cycle
 MODES = ("private", "forked", "pinned", "private+keepalive", "forked+keepalive",
          "pinned+keepalive", "private+stalled", "forked+stalled")
 
@@ -194,7 +194,7 @@ def test_clients_killed_without_detach_release_everything_within_the_lease(short
         worst = max(worst, wait_sessions(d, base_sessions, SHORT_LEASE + SLACK_S))
         base_blocks += committed
         assert status(d) == (base_sessions, base_blocks), "a release at session end indexed blocks"
-        if cycle % 10 == 9:
+        if cycle % 3 == 2:
             probe_whole_device(d, cycle)
             assert status(d)[1] == base_blocks
     probe_whole_device(d, CYCLES)
