@@ -30,10 +30,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from prefixd.engine.pool_dir import MANIFEST
 from prefixd.storage.errors import StorageError
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,15 @@ class OffLoop:
         except Exception as exc:  # noqa: BLE001 - the log still holds everything acknowledged
             log.error("checkpoint failed (the log keeps the records) path=%s error=%r",
                       dc.state_dir, exc)
+
+    def busy(self, dc) -> bool:
+        """Whether a checkpoint of pool ``dc`` runs or waits (it must not be closed)."""
+        lock = self._locks.get(id(dc))
+        return id(dc) in self._auto or (lock is not None and lock.locked())
+
+    def forget(self, dc) -> None:
+        """Pool ``dc`` was closed: drop what was kept for it."""
+        self._locks.pop(id(dc), None)
 
     async def checkpoint(self, dc) -> int:
         """Checkpoint pool ``dc`` (after one already running ends); returns its lsn.
@@ -187,10 +198,12 @@ class OffLoop:
         path = engine.pool_path(tenant, layout)
         log.info("making a pool tenant=%s model=%s path=%s", tenant, layout.model_id, path)
         loop = asyncio.get_running_loop()
+        closed = os.path.exists(os.path.join(path, MANIFEST))  # a pool closed empty, reopened
         try:
             dc = await loop.run_in_executor(self._maker, engine.make_pool, tenant, layout)
         except StorageError:
-            shutil.rmtree(path, ignore_errors=True)  # NOTE: see PrefixCacheService._pool
+            if not closed:
+                shutil.rmtree(path, ignore_errors=True)  # NOTE: see PrefixCacheService._pool
             raise
         engine.add_pool(tenant, layout, dc)
         self.watch(dc)

@@ -216,6 +216,8 @@ class Daemon:
                 core.sessions.tick()
             except Exception as exc:  # noqa: BLE001
                 log.exception("lease sweep failed error=%r", exc)
+            if core.state == SERVING:
+                core.close_empty_pools()  # logs its own failures
 
     # -- stopping ------------------------------------------------------------------------------
 

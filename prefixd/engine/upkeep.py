@@ -77,6 +77,7 @@ class Upkeep:
         self.quarantine = Quarantine(cache, order, spill_blocks)
         self.event_listener = None
         self.on_checkpoint_due = None
+        self.checkpoint_bytes = 0  # the last checkpoint's values (the log's room follows it)
 
     # -- the log step ----------------------------------------------------------------------------
 
@@ -241,6 +242,7 @@ class Upkeep:
         """Hand ``picture``'s values (``Picture.values``) to the log; returns the Future of
         the write (any thread)."""
         crash_point("checkpoint_dumped")
+        self.checkpoint_bytes = sum(_value_bytes(v) for part in (index, seqs) for v in part.values())
         return self.wal.submit_checkpoint(picture.lsn, index, seqs)
 
     @poison_on_storage_error
@@ -262,3 +264,10 @@ class Upkeep:
     def check_invariants(self) -> None:
         self.quarantine.check_invariants()
         self.trigger.check_invariants()
+
+
+def _value_bytes(value) -> int:
+    """Bytes of a checkpoint value: one buffer, or its list of chunks."""
+    if isinstance(value, (list, tuple)):
+        return sum(memoryview(c).nbytes for c in value)
+    return memoryview(value).nbytes

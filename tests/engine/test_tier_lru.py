@@ -41,6 +41,9 @@ class Pool:
         self.ledger.release(self.tenant, nbytes)
         return nbytes
 
+    def is_empty(self):
+        return not self.keys
+
 
 def lru(ledger, pools):
     return TierLRU({"device": ledger, "host": ledger, "disk": ledger}, lambda: pools.items())
