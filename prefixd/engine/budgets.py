@@ -38,6 +38,7 @@ from prefixd.config.sizes import format_bytes
 from prefixd.engine.errors import EngineError
 from prefixd.engine.log_room import LOG_POOL_ROOM, LogRoom, LogRooms  # noqa: F401 - LOG_POOL_ROOM: here too
 from prefixd.storage.budget_ledger import BudgetLedger
+from prefixd.storage.errors import BudgetExceededError
 from prefixd.storage.extents import EXTENT_BYTES
 from prefixd.storage.poolfile import DATA_OFFSET
 
@@ -123,6 +124,7 @@ class Budgets:
                                   f"reserved.{tier} or raise [engine.budget] {tier}") from None
         self._check_log_room(state_dir, on_disk)
         self.log_rooms = LogRooms(self.log_reserve // 2)  # room above LOG_POOL_ROOM, all pools
+        self.fixed_device: dict = {}  # (tenant, layout) -> device blocks of each open GPU pool
         self.out_of_space = False  # pool files met ENOSPC / EDQUOT lately (``watch_space``)
         self._refusals, self._full_at = 0, 0.0
         log.info("budgets device=%d host=%d disk=%d log_reserve=%d", self.budget.device,
@@ -148,9 +150,45 @@ class Budgets:
         caps = self.config.blocks_for(layout)
         cap = (UNCAPPED,) * 3 if caps is None else caps.as_tuple()
         bb = layout.block_bytes
-        return tuple(min(cap[i], max(0, (self.ledgers[t].capacity - DATA_OFFSET) // bb))
+        header = (0 if self.device_fixed else DATA_OFFSET, DATA_OFFSET, DATA_OFFSET)  # a GPU pool has none
+        return tuple(min(cap[i], max(0, (self.ledgers[t].capacity - header[i]) // bb))
                      if self.ledgers[t].capacity > 0 and cap[i] else 0
                      for i, t in enumerate(TIER_NAMES))
+
+    # -- a device tier on a GPU ----------------------------------------------------------------
+
+    @property
+    def device_fixed(self) -> bool:
+        """The device tier is GPU memory: a pool's device tier is one allocation, charged whole
+        to the device ledger when the pool opens and given back when it closes
+        (``prefixd.storage.pools``)."""
+        return self.machine.gpu_total is not None
+
+    def fixed_device_blocks(self, tenant: str, layout: KVLayout, want: int) -> int:
+        """The device blocks a GPU pool of ``layout`` is opened with: ``want`` (its manifest's,
+        within ``[engine.blocks]``), at most what ``tenant`` may be charged on the device now
+        (other pools on the GPU hold theirs whole). ``want`` itself without a GPU."""
+        if not self.device_fixed:
+            return want
+        return min(want, self.ledgers["device"].available(tenant) // layout.block_bytes)
+
+    def opening(self, tenant: str, layout: KVLayout, sizes) -> tuple[int, int, int]:
+        """The slots per tier a pool opens with: ``sizes``, the device tier on a GPU cut to
+        ``fixed_device_blocks`` (and recorded in ``fixed_device`` until it closes).
+
+        Raises:
+            BudgetExceededError: a GPU pool would get no device block.
+        """
+        if not self.device_fixed:
+            return tuple(sizes)
+        device = self.fixed_device_blocks(tenant, layout, sizes[0])
+        if device < 1:
+            raise BudgetExceededError(
+                f"the device budget on the GPU is taken whole by the pools open there: a pool "
+                f"of layout {layout.model_id!r} gets no block; raise [engine.budget] device, or "
+                f"cap each layout's device blocks ([engine.blocks] device)")
+        self.fixed_device[(tenant, layout)] = device
+        return (device, *sizes[1:])
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -168,6 +206,17 @@ class Budgets:
         need = max(1, -(-max_model_len // bs)) if max_model_len else 1
         if sizes[0] < need:
             return self._too_small(layout, "device", sizes[0], need, max_model_len)
+        held = self.fixed_device.get((tenant, layout))  # an open GPU pool: what it took
+        if self.device_fixed and (held if held is not None else
+                                  self.fixed_device_blocks(tenant, layout, sizes[0])) < need:
+            ledger = self.ledgers["device"]
+            return (f"the device budget (engine.budget.device = {self._written('device')}: "
+                    f"{format_bytes(ledger.capacity)}) on the GPU holds "
+                    f"{format_bytes(ledger.used_bytes)}, taken whole by the pools open there "
+                    f"(tenant {tenant!r}: {format_bytes(ledger.used_by(tenant))}); a pool of "
+                    f"layout {layout.model_id!r} needs {need} blocks "
+                    f"({format_bytes(need * bb)}): raise [engine.budget] device, or cap each "
+                    f"layout's device blocks ([engine.blocks.models.\"<id>\"] device)")
         if not sizes[1] and not sizes[2]:
             return self._too_small(layout, "host", 0, 1, 0)
         for i, tier in enumerate(TIER_NAMES):

@@ -289,6 +289,7 @@ class Engine:
         """A closed pool leaves the engine: its charges back, its log's room punched."""
         del self._pools[key]
         self._rooms.pop(key, None)
+        self.budgets.fixed_device.pop(key, None)
         room = self._log_rooms.pop(dc.state_dir, None)
         if room is not None:
             room.release(punch=True)
@@ -331,6 +332,7 @@ class Engine:
             for room in self._log_rooms.values():
                 room.release()
             self._log_rooms.clear()
+            self.budgets.fixed_device.clear()
             self._pools.clear()
             self._rooms.clear()
             self._lock.release()
@@ -375,6 +377,7 @@ class Engine:
         """Open (recovering) the pool; ``sizes`` in slots per tier, as its manifest says (None:
         a manifest from before budgets, sized by the budgets now)."""
         sizes = sizes or self.budgets.pool_sizes(layout)
+        sizes = self.budgets.opening(tenant.name, layout, sizes)  # a GPU pool: what is left
         os.makedirs(self.config.shm_dir, exist_ok=True)
         dc = DurableCache(self.pool_path(tenant.name, layout), layout, sizes,
                           progress=self.progress, ledgers=self.budgets.by_tier(),

@@ -80,6 +80,10 @@ class RoomPool(Protocol):
     def is_empty(self) -> bool:
         """Whether it holds no block in any tier."""
 
+    def fixed(self, tier: int) -> bool:
+        """Whether its ``tier`` is allocated whole (a GPU pool): evicting there gives no bytes
+        back, and it never asks for any."""
+
 
 class PoolRoom:
     """A durable pool as ``TierLRU`` sees it (``RoomPool``)."""
@@ -92,7 +96,7 @@ class PoolRoom:
 
     def coldest_key(self, tier: int):
         cache = self.dc.cache
-        if cache.allocators[tier] is None:
+        if cache.allocators[tier] is None or self.fixed(tier):
             return None
         queue = cache.tree.queues[tier]
         node = queue.peek()
@@ -120,6 +124,9 @@ class PoolRoom:
     def is_empty(self) -> bool:
         """No indexed block in any tier (a pool the engine may close: ``pool_close``)."""
         return not any(self.dc.cache.tree.num_blocks_in)
+
+    def fixed(self, tier: int) -> bool:
+        return self.dc.cache.allocators[tier] is not None and self.dc.store.is_fixed(tier)
 
 
 class TierLRU:
@@ -151,7 +158,7 @@ class TierLRU:
         pool's blocks (it counted what it could evict itself already)."""
         pools = dict(self.pools())
         me = pools.get(key)
-        if me is None:
+        if me is None or me.fixed(tier):  # a whole pool has what it has: its own slots
             return False
         if others_only:
             del pools[key]

@@ -44,6 +44,9 @@ class Pool:
     def is_empty(self):
         return not self.keys
 
+    def fixed(self, tier):
+        return False
+
 
 def lru(ledger, pools):
     return TierLRU({"device": ledger, "host": ledger, "disk": ledger}, lambda: pools.items())
