@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from prefixd.engine.pool_dir import MANIFEST
 from prefixd.storage.errors import StorageError
+from prefixd.wal import WalNoSpaceError
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,8 @@ class OffLoop:
     async def _auto_checkpoint(self, dc) -> None:
         try:
             await self.checkpoint(dc)
+        except WalNoSpaceError as exc:  # the log is intact: retried in a few seconds
+            dc.upkeep.checkpoint_no_space(exc)
         except Exception as exc:  # noqa: BLE001 - the log still holds everything acknowledged
             log.error("checkpoint failed (the log keeps the records) path=%s error=%r",
                       dc.state_dir, exc)
@@ -155,6 +158,10 @@ class OffLoop:
         for key, dc in engine.pool_items():
             try:
                 lsns[key] = await self.checkpoint(dc)
+            except WalNoSpaceError as exc:  # the log is intact; raised below all the same
+                log.warning("checkpoint not taken: the filesystem is full tenant=%s model=%s "
+                            "error=%s", key[0], key[1].model_id, exc)
+                first = first or exc
             except Exception as exc:  # noqa: BLE001 - raised below, after the other pools
                 log.error("checkpoint failed tenant=%s model=%s error=%r", key[0],
                           key[1].model_id, exc)

@@ -332,7 +332,6 @@ class Engine:
             for room in self._log_rooms.values():
                 room.release()
             self._log_rooms.clear()
-            self.budgets.fixed_device.clear()
             self._pools.clear()
             self._rooms.clear()
             self._lock.release()

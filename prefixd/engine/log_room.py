@@ -103,23 +103,25 @@ class LogRoom:
         once per episode; retried at the next call), True otherwise."""
         if not self.charged or self._unsupported:
             return True
+        grown = False
         if checkpoint_bytes is not None:
             want = -(-CHECKPOINT_ROOM_FACTOR * checkpoint_bytes // PAGE) * PAGE
             if want > self.room:
                 got = self.rooms.take(want - self.room)
                 self.extra += got
                 self.room += got
+                grown = got > 0
         try:
             size = os.stat(self.wal_file).st_size
         except OSError:
             return True  # the log is closed or moved: its owner reports that
-        if size + self.room // 2 <= self.reserved_end:
+        if not grown and not self.refusals and size + self.room // 2 <= self.reserved_end:
             return True
         try:
             self._reserve(size)
         except NoSpaceError as exc:
             if not self.refusals:
-                log.warning("the log's room past its end cannot be kept: the filesystem is full "
+                log.warning("the log's room past its end cannot be kept: no space on its filesystem "
                             "(commits go on in the room left; retried) path=%s error=%s",
                             self.wal_file, exc)
             self.refusals += 1
