@@ -160,9 +160,10 @@ class Engine:
 
     def make_pool(self, tenant: str, layout: KVLayout) -> DurableCache:
         """A new pool of ``tenant`` and ``layout``: its manifest and files made (a closed pool:
-        opened again, recovering), the pool open, but not yet one of the engine's (``add_pool``). Reads only the configuration, so it
-        may run on another thread than the engine's callers while they go on; the caller makes
-        sure no two makes of one pool overlap and none runs for a pool that exists.
+        opened again, recovering), the pool open, but not yet one of the engine's
+        (``add_pool``). Reads only the configuration, so it may run on another thread than the
+        engine's callers while they go on; the caller makes sure no two makes of one pool
+        overlap and none runs for a pool that exists.
 
         Raises:
             UnknownTenantError, TypeError: as ``pool``; whatever ``DurableCache`` raises.
@@ -276,7 +277,7 @@ class Engine:
                 log.error("closing an empty pool failed tenant=%s model=%s error=%r", key[0],
                           key[1].model_id, exc)
                 outcome = None
-            if outcome != BUSY:
+            if outcome != BUSY or not closer.retry(key):
                 closer.candidates.discard(key)
             if outcome == CLOSED:
                 self._forget(key, dc)

@@ -27,7 +27,7 @@ When: candidates are pools whose last session ended, pools an eviction of anothe
 with no block (``TierLRU.emptied``), and, once, every pool a start recovered; the daemon
 tries them on its tick (never per request). A candidate that is not empty yet is dropped
 (a later session end or eviction names it again); one whose log or disk writer is busy is
-kept for the next tick.
+kept for the next tick, ``MAX_TRIES`` ticks at most.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from prefixd.storage.poolfile import DATA_OFFSET
 log = logging.getLogger(__name__)
 
 NOT_EMPTY, BUSY, CLOSED = "not empty", "busy", "closed"
+MAX_TRIES = 50  # a pool BUSY this many ticks in a row (5 s) is dropped until it is named again
 
 
 def is_empty(dc) -> bool:
@@ -62,9 +63,21 @@ class PoolCloser:
     def __init__(self) -> None:
         self.candidates: set = set()
         self.num_closed = 0
+        self._tries: dict = {}  # key -> BUSY outcomes in a row
 
     def note(self, key) -> None:
         self.candidates.add(key)
+        self._tries.pop(key, None)
+
+    def retry(self, key) -> bool:
+        """A close of ``key`` was BUSY: whether to try again (at most ``MAX_TRIES`` in a row: a
+        filesystem that cannot punch keeps its extents for good)."""
+        n = self._tries.get(key, 0) + 1
+        if n >= MAX_TRIES:
+            self._tries.pop(key, None)
+            return False
+        self._tries[key] = n
+        return True
 
     def close(self, dc) -> str:
         """Close ``dc`` if it is empty (see the module docstring); returns ``CLOSED``,

@@ -74,3 +74,43 @@ def test_a_pool_closed_then_found_at_the_next_start_recovers_empty(tmp_path):
         assert engine.close_empty_pools(set()) == [KEY]  # every pool a start found is a candidate
         assert engine.pool("b", OTHER).lookup(list(range(41))).cached_tokens == 40
         engine.check_invariants()
+
+
+def test_a_close_that_cannot_give_its_extents_back_is_retried_then_dropped(tmp_path, monkeypatch):
+    """A pool whose files still hold more than their headers after the punches (a filesystem
+    that cannot punch, a disk writer still busy) is not closed: tried again at the next call,
+    ``MAX_TRIES`` times in a row at most, then dropped until it is named again; it keeps
+    serving."""
+    from prefixd.engine.pool_close import MAX_TRIES
+
+    with Engine(str(tmp_path / "state"), config(str(tmp_path / "shm"))) as engine:
+        dc = engine.pool("a", LAYOUT)
+        monkeypatch.setattr(dc.store, "held_bytes", lambda tier: 1 << 40)
+        engine.note_unused(*KEY)
+        for _ in range(MAX_TRIES - 1):
+            assert engine.close_empty_pools(set()) == [] and KEY in engine.closer.candidates
+        assert engine.close_empty_pools(set()) == [] and not engine.closer.candidates
+        monkeypatch.undo()
+        store(dc, 0)
+        assert dc.lookup(list(range(41))).cached_tokens == 40
+        engine.check_invariants()
+
+
+def test_a_close_that_fails_leaves_the_pool_open(tmp_path, monkeypatch, caplog):
+    from prefixd.storage.errors import StorageError
+
+    with Engine(str(tmp_path / "state"), config(str(tmp_path / "shm"))) as engine:
+        dc = engine.pool("a", LAYOUT)
+
+        def fail():
+            raise StorageError("punch failed")
+
+        monkeypatch.setattr(dc.upkeep, "force_release", fail)
+        engine.note_unused(*KEY)
+        with caplog.at_level("ERROR", logger="prefixd.engine.engine"):
+            assert engine.close_empty_pools(set()) == []
+        assert "closing an empty pool failed" in caplog.text
+        assert [k for k, _ in engine.pool_items()] == [KEY] and not engine.closer.candidates
+        monkeypatch.undo()
+        store(dc, 0)
+        engine.check_invariants()
