@@ -156,6 +156,8 @@ class OffLoop:
         """
         lsns, first = {}, None
         for key, dc in engine.pool_items():
+            if dict(engine.pool_items()).get(key) is not dc:
+                continue  # closed (empty) while an earlier pool's checkpoint ran
             try:
                 lsns[key] = await self.checkpoint(dc)
             except WalNoSpaceError as exc:  # the log is intact; raised below all the same
