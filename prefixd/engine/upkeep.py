@@ -77,7 +77,7 @@ class Upkeep:
         self.recovered = recovered
         self.spill_blocks = spill_blocks
         self.trigger = trigger
-        self.quarantine = Quarantine(cache, order, spill_blocks)
+        self.quarantine = Quarantine(cache, order, spill_blocks, store.layout.block_bytes)
         self.event_listener = None
         self.on_checkpoint_due = None
         self.checkpoint_bytes = 0  # the last checkpoint's values (the log's room follows it)
