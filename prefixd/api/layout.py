@@ -37,6 +37,8 @@ class KVLayout:
     def __post_init__(self) -> None:
         if not self.model_id or len(self.model_id) > 256:
             raise ValueError(f"model_id must be 1..256 characters, got {self.model_id!r}")
+        if "\x00" in self.model_id:  # ``to_bytes`` separates the fields with NUL
+            raise ValueError(f"model_id must not contain NUL characters, got {self.model_id!r}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 65536:

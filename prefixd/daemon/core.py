@@ -67,6 +67,7 @@ class DaemonCore:
         self.epoch = secrets.randbits(63) or 1
         self.started = time.monotonic()
         self.sessions = SessionTable(config.lease_s, config.limits)
+        self.sessions.on_end = self.session_ended
         self.calls: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.rpc_times = RpcTimes()  # latency by (method, status), fed by ``rpc_call.rpc``
@@ -90,6 +91,24 @@ class DaemonCore:
         self.compute_threads = compute_threads()
         self.compute = ThreadPoolExecutor(max_workers=self.compute_threads,
                                           thread_name_prefix="prefixd-attend")
+
+    def session_ended(self, session) -> None:
+        """``SessionTable.on_end``: a pool no session uses any more is a candidate to close."""
+        if self.engine is not None and not any(s.pool is session.pool for s in self.sessions):
+            self.engine.note_unused(session.tenant, session.layout)
+
+    def close_empty_pools(self) -> int:
+        """On the tick: close the candidate pools that hold nothing and that no session uses
+        (``Engine.close_empty_pools``); returns how many closed."""
+        engine = self.engine
+        if engine is None or not (engine.closer.candidates or engine.tier_lru.emptied):
+            return 0
+        used = {(s.tenant, s.layout) for s in self.sessions}
+        closing = {key: dc for key, dc in engine.pool_items()}
+        closed = engine.close_empty_pools(used, self.offloop.busy)
+        for key in closed:
+            self.offloop.forget(closing[key])
+        return len(closed)
 
     def call_closed(self, _context=None) -> None:
         """A unary call finished (its status sent): the done callback ``rpc_call.rpc`` sets."""

@@ -30,11 +30,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from prefixd.engine.pool_dir import MANIFEST
 from prefixd.storage.errors import StorageError
+from prefixd.wal import WalNoSpaceError
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +77,20 @@ class OffLoop:
     async def _auto_checkpoint(self, dc) -> None:
         try:
             await self.checkpoint(dc)
+        except WalNoSpaceError as exc:  # the log is intact: retried in a few seconds
+            dc.upkeep.checkpoint_no_space(exc)
         except Exception as exc:  # noqa: BLE001 - the log still holds everything acknowledged
             log.error("checkpoint failed (the log keeps the records) path=%s error=%r",
                       dc.state_dir, exc)
+
+    def busy(self, dc) -> bool:
+        """Whether a checkpoint of pool ``dc`` runs or waits (it must not be closed)."""
+        lock = self._locks.get(id(dc))
+        return id(dc) in self._auto or (lock is not None and lock.locked())
+
+    def forget(self, dc) -> None:
+        """Pool ``dc`` was closed: drop what was kept for it."""
+        self._locks.pop(id(dc), None)
 
     async def checkpoint(self, dc) -> int:
         """Checkpoint pool ``dc`` (after one already running ends); returns its lsn.
@@ -142,8 +156,14 @@ class OffLoop:
         """
         lsns, first = {}, None
         for key, dc in engine.pool_items():
+            if dict(engine.pool_items()).get(key) is not dc:
+                continue  # closed (empty) while an earlier pool's checkpoint ran
             try:
                 lsns[key] = await self.checkpoint(dc)
+            except WalNoSpaceError as exc:  # the log is intact; raised below all the same
+                log.warning("checkpoint not taken: the filesystem is full tenant=%s model=%s "
+                            "error=%s", key[0], key[1].model_id, exc)
+                first = first or exc
             except Exception as exc:  # noqa: BLE001 - raised below, after the other pools
                 log.error("checkpoint failed tenant=%s model=%s error=%r", key[0],
                           key[1].model_id, exc)
@@ -187,10 +207,12 @@ class OffLoop:
         path = engine.pool_path(tenant, layout)
         log.info("making a pool tenant=%s model=%s path=%s", tenant, layout.model_id, path)
         loop = asyncio.get_running_loop()
+        closed = os.path.exists(os.path.join(path, MANIFEST))  # a pool closed empty, reopened
         try:
             dc = await loop.run_in_executor(self._maker, engine.make_pool, tenant, layout)
         except StorageError:
-            shutil.rmtree(path, ignore_errors=True)  # NOTE: see PrefixCacheService._pool
+            if not closed:
+                shutil.rmtree(path, ignore_errors=True)  # NOTE: see PrefixCacheService._pool
             raise
         engine.add_pool(tenant, layout, dc)
         self.watch(dc)

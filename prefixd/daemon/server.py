@@ -53,6 +53,7 @@ from prefixd.daemon.reload import ConfigSource, Reloader
 from prefixd.daemon.service import PrefixCacheService
 from prefixd.engine.durable import TICK_PERIOD_S
 from prefixd.engine.engine import Engine
+from prefixd.wal import WalNoSpaceError
 from prefixd.wal.lock import StateDirLock
 
 log = logging.getLogger(__name__)
@@ -216,6 +217,8 @@ class Daemon:
                 core.sessions.tick()
             except Exception as exc:  # noqa: BLE001
                 log.exception("lease sweep failed error=%r", exc)
+            if core.state == SERVING:
+                core.close_empty_pools()  # logs its own failures
 
     # -- stopping ------------------------------------------------------------------------------
 
@@ -265,6 +268,9 @@ class Daemon:
         try:  # beside the loop, which still answers signals and the watchdog
             lsns = await core.offloop.checkpoint_all(core.engine)
             log.info("checkpoint at stop pools=%d", len(lsns))
+        except WalNoSpaceError as exc:  # the log is intact: nothing is lost, only replay time
+            log.warning("checkpoint at stop not taken: the filesystem is full (the next start "
+                        "replays the log) error=%s", exc)
         except Exception as exc:  # noqa: BLE001 - the log still holds everything acknowledged
             log.error("checkpoint at stop failed (the next start replays the log) error=%r", exc)
             status = 1

@@ -121,6 +121,9 @@ class SessionTable:
         self.clock = clock or LeaseClock(MAX_LEASE_STEP_S)
         self.limits = limits or Limits()
         self._sessions: dict[int, Session] = {}
+        # called with each ended session once its sequences are released (the daemon notes
+        # its pool for closing if it is now unused: ``DaemonCore.close_empty_pools``)
+        self.on_end = None
         self.ended_total = 0
         self.expired_total = 0
 
@@ -210,6 +213,8 @@ class SessionTable:
             session.untrack(seq_id)
         log.info("session ended session=%#x tenant=%s client=%s reason=%s released=%d",
                  session.id, session.tenant, session.name, reason, released)
+        if self.on_end is not None:
+            self.on_end(session)
         return released
 
     def tick(self) -> int:

@@ -16,7 +16,7 @@ from prefixd.cache.errors import InvalidTokens, OutOfBlocks, UnknownSequence
 from prefixd.config.errors import ConfigError
 from prefixd.engine.errors import DurabilityError, SharedBlockError, UnknownTenantError
 from prefixd.storage.errors import StorageError
-from prefixd.wal.errors import WalClosedError, WalError, WalFailedError
+from prefixd.wal.errors import WalClosedError, WalError, WalFailedError, WalNoSpaceError
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ _CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (UnknownTenantError, Code.NOT_FOUND),
     (ConfigError, Code.INVALID_ARGUMENT),
     (WalClosedError, Code.UNAVAILABLE),
+    (WalNoSpaceError, Code.RESOURCE_EXHAUSTED),  # a checkpoint not taken; the log is intact
     (WalFailedError, Code.DATA_LOSS),
     (DurabilityError, Code.DATA_LOSS),
     (WalError, Code.DATA_LOSS),

@@ -9,9 +9,11 @@ take, ``max(LOG_FLOOR, 2 x the logs on disk at start + checkpoint_records x MEAN
 LMDB's map grows by what is appended until a checkpoint folds it, and a checkpoint is written
 beside the one it replaces. A start whose filesystem has less free space than the log's room
 not yet taken is refused (``NoRoomForLogError``, one line naming the filesystem and the bytes).
-Each pool's log file also gets ``LOG_POOL_ROOM`` past its end with its blocks allocated,
-charged to its tenant (``reserve_log``): another process filling the filesystem then meets
-the pool files' grows (refused, the cache keeps serving from memory), not the log's commits.
+Each pool's log file also keeps room past its end with its blocks allocated, at least
+``LOG_POOL_ROOM`` charged to its tenant, kept as the log grows and sized to a checkpoint
+(``log_room``, ``prefixd.engine.log_room``): another process filling the filesystem then
+meets the pool files' grows (refused, the cache keeps serving from memory), not the log's
+commits or checkpoints.
 
 A pool's size per tier is ``min([engine.blocks] cap, (tier budget - header) // block_bytes)``
 slots when it is made (its manifest keeps them: ``prefixd.engine.engine``): its files are sparse, as large as the budget, and take bytes extent by extent as
@@ -34,8 +36,9 @@ from prefixd.config.engine_settings import EngineConfig
 from prefixd.config.errors import ConfigError
 from prefixd.config.sizes import format_bytes
 from prefixd.engine.errors import EngineError
-from prefixd.storage import falloc
+from prefixd.engine.log_room import LOG_POOL_ROOM, LogRoom, LogRooms  # noqa: F401 - LOG_POOL_ROOM: here too
 from prefixd.storage.budget_ledger import BudgetLedger
+from prefixd.storage.errors import BudgetExceededError
 from prefixd.storage.extents import EXTENT_BYTES
 from prefixd.storage.poolfile import DATA_OFFSET
 
@@ -45,10 +48,6 @@ MiB = 1 << 20
 UNCAPPED = 1 << 62  # no [engine.blocks] cap: the budget alone sizes a pool
 LOG_FLOOR = 64 * MiB
 MEAN_RECORD_BYTES = 256  # a commit record of a gsp request with its hashes (bench/engine.py)
-# NOTE: each pool's log file gets this much room past its end, its blocks allocated
-# (``falloc.reserve``) and charged to the pool's tenant: a filesystem another process fills
-# cannot fail the log's next commits (about 16,000 commit records of room).
-LOG_POOL_ROOM = 4 * MiB
 SPACE_CLEAR_S = 5.0  # no ENOSPC this long: the filesystem counts as having room again
 
 
@@ -124,6 +123,8 @@ class Budgets:
                 raise ConfigError(f"[engine.budget] {tier}: {exc}; lower the tenants' "
                                   f"reserved.{tier} or raise [engine.budget] {tier}") from None
         self._check_log_room(state_dir, on_disk)
+        self.log_rooms = LogRooms(self.log_reserve // 2)  # room above LOG_POOL_ROOM, all pools
+        self.fixed_device: dict = {}  # (tenant, layout) -> device blocks of each open GPU pool
         self.out_of_space = False  # pool files met ENOSPC / EDQUOT lately (``watch_space``)
         self._refusals, self._full_at = 0, 0.0
         log.info("budgets device=%d host=%d disk=%d log_reserve=%d", self.budget.device,
@@ -149,9 +150,45 @@ class Budgets:
         caps = self.config.blocks_for(layout)
         cap = (UNCAPPED,) * 3 if caps is None else caps.as_tuple()
         bb = layout.block_bytes
-        return tuple(min(cap[i], max(0, (self.ledgers[t].capacity - DATA_OFFSET) // bb))
+        header = (0 if self.device_fixed else DATA_OFFSET, DATA_OFFSET, DATA_OFFSET)  # a GPU pool has none
+        return tuple(min(cap[i], max(0, (self.ledgers[t].capacity - header[i]) // bb))
                      if self.ledgers[t].capacity > 0 and cap[i] else 0
                      for i, t in enumerate(TIER_NAMES))
+
+    # -- a device tier on a GPU ----------------------------------------------------------------
+
+    @property
+    def device_fixed(self) -> bool:
+        """The device tier is GPU memory: a pool's device tier is one allocation, charged whole
+        to the device ledger when the pool opens and given back when it closes
+        (``prefixd.storage.pools``)."""
+        return self.machine.gpu_total is not None
+
+    def fixed_device_blocks(self, tenant: str, layout: KVLayout, want: int) -> int:
+        """The device blocks a GPU pool of ``layout`` is opened with: ``want`` (its manifest's,
+        within ``[engine.blocks]``), at most what ``tenant`` may be charged on the device now
+        (other pools on the GPU hold theirs whole). ``want`` itself without a GPU."""
+        if not self.device_fixed:
+            return want
+        return min(want, self.ledgers["device"].available(tenant) // layout.block_bytes)
+
+    def opening(self, tenant: str, layout: KVLayout, sizes) -> tuple[int, int, int]:
+        """The slots per tier a pool opens with: ``sizes``, the device tier on a GPU cut to
+        ``fixed_device_blocks`` (and recorded in ``fixed_device`` until it closes).
+
+        Raises:
+            BudgetExceededError: a GPU pool would get no device block.
+        """
+        if not self.device_fixed:
+            return tuple(sizes)
+        device = self.fixed_device_blocks(tenant, layout, sizes[0])
+        if device < 1:
+            raise BudgetExceededError(
+                f"the device budget on the GPU is taken whole by the pools open there: a pool "
+                f"of layout {layout.model_id!r} gets no block; raise [engine.budget] device, or "
+                f"cap each layout's device blocks ([engine.blocks] device)")
+        self.fixed_device[(tenant, layout)] = device
+        return (device, *sizes[1:])
 
     # -- admission -----------------------------------------------------------------------------
 
@@ -169,6 +206,17 @@ class Budgets:
         need = max(1, -(-max_model_len // bs)) if max_model_len else 1
         if sizes[0] < need:
             return self._too_small(layout, "device", sizes[0], need, max_model_len)
+        held = self.fixed_device.get((tenant, layout))  # an open GPU pool: what it took
+        if self.device_fixed and (held if held is not None else
+                                  self.fixed_device_blocks(tenant, layout, sizes[0])) < need:
+            ledger = self.ledgers["device"]
+            return (f"the device budget (engine.budget.device = {self._written('device')}: "
+                    f"{format_bytes(ledger.capacity)}) on the GPU holds "
+                    f"{format_bytes(ledger.used_bytes)}, taken whole by the pools open there "
+                    f"(tenant {tenant!r}: {format_bytes(ledger.used_by(tenant))}); a pool of "
+                    f"layout {layout.model_id!r} needs {need} blocks "
+                    f"({format_bytes(need * bb)}): raise [engine.budget] device, or cap each "
+                    f"layout's device blocks ([engine.blocks.models.\"<id>\"] device)")
         if not sizes[1] and not sizes[2]:
             return self._too_small(layout, "host", 0, 1, 0)
         for i, tier in enumerate(TIER_NAMES):
@@ -202,35 +250,18 @@ class Budgets:
 
     # -- the logs' room ------------------------------------------------------------------------
 
-    def reserve_log(self, tenant: str, wal_file: str) -> None:
-        """Charge ``LOG_POOL_ROOM`` to ``tenant`` on disk and give ``wal_file`` (a pool's
-        ``data.mdb``) that much room past its end (no room kept without a disk budget, or on
-        a filesystem that cannot reserve: a WARNING says so).
+    def log_room(self, tenant: str, wal_file: str) -> LogRoom:
+        """The room of a pool's log (``wal_file``: its ``data.mdb``), reserved: see
+        ``prefixd.engine.log_room`` (none kept without a disk budget).
 
         Raises:
-            BudgetExceededError: the disk budget cannot take it (nothing charged).
+            BudgetExceededError: the disk budget cannot take ``LOG_POOL_ROOM`` (nothing charged).
             NoSpaceError: the filesystem has no room for it (nothing charged).
         """
-        if not self.budget.disk:
-            return
-        ledger = self.ledgers["disk"]
-        ledger.charge(tenant, LOG_POOL_ROOM)
-        try:
-            fd = os.open(wal_file, os.O_RDWR | os.O_CLOEXEC)
-            try:
-                falloc.reserve(fd, wal_file, 0, os.fstat(fd).st_size + LOG_POOL_ROOM)
-            finally:
-                os.close(fd)
-        except falloc.PunchUnsupportedError as exc:
-            log.warning("the log's room is not kept on this filesystem: %s", exc)
-        except BaseException:
-            ledger.release(tenant, LOG_POOL_ROOM)
-            raise
-
-    def release_log(self, tenant: str) -> None:
-        """Give back what ``reserve_log`` charged (the pool closed)."""
-        if self.budget.disk:
-            self.ledgers["disk"].release(tenant, LOG_POOL_ROOM)
+        room = LogRoom(wal_file, tenant, self.ledgers["disk"] if self.budget.disk else None,
+                       self.log_rooms)
+        room.reserve()
+        return room
 
     def room_for(self, tenant: str, tier: int) -> int:
         """The most bytes ``tenant`` may ever hold in ``tier``: its ``max``, and the tier's

@@ -32,6 +32,7 @@ thousands of runs); per-block data moves as whole arrays.
 from __future__ import annotations
 
 import gc
+import time
 from itertools import chain
 from typing import NamedTuple
 
@@ -339,6 +340,9 @@ def _deepest_hash(node) -> bytes:
     return node.hashes[-1] if node.parent is not None else ZERO_HASH
 
 
+NO_SPACE_RETRY_S = 5.0  # a checkpoint that met a full filesystem is tried again after this
+
+
 class CheckpointTrigger:
     """When the log is folded into a checkpoint: after ``records`` records, or once replaying
     the records since the last one would decode ``blocks`` blocks (``records.Scan.blocks``; see
@@ -354,6 +358,7 @@ class CheckpointTrigger:
         self.blocks = blocks
         self.tail_records = 0
         self.tail_blocks = 0
+        self.not_before = 0.0  # ``postpone``: no checkpoint is due before (monotonic seconds)
 
     def count(self, records: int, blocks: int) -> None:
         """``records`` more records were logged, decoding ``blocks`` blocks on replay."""
@@ -361,13 +366,20 @@ class CheckpointTrigger:
         self.tail_blocks += blocks
 
     def due(self) -> bool:
-        return self.tail_records >= self.records or self.tail_blocks >= self.blocks
+        if self.tail_records < self.records and self.tail_blocks < self.blocks:
+            return False
+        return not self.not_before or time.monotonic() >= self.not_before
+
+    def postpone(self, seconds: float) -> None:
+        """A checkpoint could not be written (a full filesystem): none is due for ``seconds``."""
+        self.not_before = time.monotonic() + seconds
 
     def taken(self, records: int, blocks: int) -> None:
         """A checkpoint folded the ``records`` and ``blocks`` counted when it was pictured
         (``Picture.take``); what was logged since counts towards the next one."""
         self.tail_records = max(self.tail_records - records, 0)
         self.tail_blocks = max(self.tail_blocks - blocks, 0)
+        self.not_before = 0.0
 
     def check_invariants(self) -> None:
         assert self.tail_records >= 0 and self.tail_blocks >= 0, "negative checkpoint tail"

@@ -16,8 +16,12 @@ its manifest says: its files are sized to the budgets of when it was made (spars
 only what they hold), so a budget changed later bounds its bytes through the ledgers and
 never makes its files disagree with their headers.
 
+A pool that holds nothing is closed when the daemon says no session uses it
+(``close_empty_pools``, ``prefixd.engine.pool_close``); ``pool`` opens it again.
+
 Composed of: the ``PoolDirectory`` (``prefixd.engine.pool_dir``: where pools live, their
-manifests, the pools found on disk), the ``Budgets`` and the ``TierLRU`` across the pools.
+manifests, the pools found on disk), the ``Budgets``, the ``TierLRU`` across the pools, the
+``PoolCloser`` and each open pool's ``LogRoom``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from prefixd.config.budget_settings import Machine
 from prefixd.engine.budgets import Budgets
 from prefixd.engine.durable import DurableCache
 from prefixd.engine.errors import EngineError, UnknownTenantError
+from prefixd.engine.log_room import LogRoom
+from prefixd.engine.pool_close import BUSY, CLOSED, PoolCloser
 from prefixd.engine.pool_dir import PoolDirectory
 from prefixd.engine.progress import RecoveryProgress
 from prefixd.engine.tier_lru import PoolRoom, SharedClock, TierLRU
@@ -116,6 +122,8 @@ class Engine:
         # one clock for every pool's eviction keys, and one LRU across the pools of a tier
         self.clock = SharedClock()
         self._rooms: dict[tuple[str, KVLayout], PoolRoom] = {}
+        self._log_rooms: dict[str, LogRoom] = {}  # by pool directory (``_open`` may run off-thread)
+        self.closer = PoolCloser()  # empty pools no session uses are closed (``close_empty_pools``)
         try:
             self.budgets = Budgets(self.config, self.state_dir,
                                    Machine.probe(self.state_dir, _gpu_total(self.config.use_cuda)))
@@ -123,6 +131,7 @@ class Engine:
             for tenant, layout, sizes in self.directory.found(self.config):
                 self._pools[(tenant.name, layout)] = dc = self._open(tenant, layout, sizes)
                 self._join(dc, tenant.name, layout)
+                self.closer.note((tenant.name, layout))  # an empty one closes once serving
         except BaseException:
             try:
                 self.close()
@@ -135,7 +144,8 @@ class Engine:
     # -- pools -------------------------------------------------------------------------------------
 
     def pool(self, tenant: str, layout: KVLayout) -> DurableCache:
-        """The pool of ``tenant`` and ``layout``, created (empty) if it does not exist yet.
+        """The pool of ``tenant`` and ``layout``, created (empty) if it does not exist yet, or
+        opened again (recovered) if it was closed.
 
         Raises:
             UnknownTenantError: ``tenant`` is not in the configuration.
@@ -149,10 +159,11 @@ class Engine:
         return self.add_pool(tenant, layout, self.make_pool(tenant, layout))
 
     def make_pool(self, tenant: str, layout: KVLayout) -> DurableCache:
-        """A new pool of ``tenant`` and ``layout``: its manifest and files made, the pool open,
-        but not yet one of the engine's (``add_pool``). Reads only the configuration, so it
-        may run on another thread than the engine's callers while they go on; the caller makes
-        sure no two makes of one pool overlap and none runs for a pool that exists.
+        """A new pool of ``tenant`` and ``layout``: its manifest and files made (a closed pool:
+        opened again, recovering), the pool open, but not yet one of the engine's
+        (``add_pool``). Reads only the configuration, so it may run on another thread than the
+        engine's callers while they go on; the caller makes sure no two makes of one pool
+        overlap and none runs for a pool that exists.
 
         Raises:
             UnknownTenantError, TypeError: as ``pool``; whatever ``DurableCache`` raises.
@@ -163,8 +174,10 @@ class Engine:
             raise UnknownTenantError(tenant, [t.name for t in self.config.tenants])
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
-        sizes = self.budgets.pool_sizes(layout)
-        self.directory.write_manifest(conf, layout, sizes)
+        sizes = self.directory.manifest_sizes(conf, layout)  # a closed pool opens as it was made
+        if sizes is False:
+            sizes = self.budgets.pool_sizes(layout)
+            self.directory.write_manifest(conf, layout, sizes)
         return self._open(conf, layout, sizes)
 
     def make_room_for(self, tenant: str, layout: KVLayout) -> None:
@@ -231,6 +244,57 @@ class Engine:
         """Where the pool of ``tenant`` and ``layout`` lives (whether or not it exists)."""
         return self.directory.path(tenant, layout)
 
+    def note_unused(self, tenant: str, layout: KVLayout) -> None:
+        """The last session using the pool of ``tenant`` and ``layout`` ended: try to close it
+        at the next ``close_empty_pools``."""
+        self.closer.note((tenant, layout))
+
+    def close_empty_pools(self, used, busy=None) -> list[tuple[str, KVLayout]]:
+        """Close every candidate pool (``prefixd.engine.pool_close``) that holds nothing and
+        that no session uses; returns the keys closed. Cheap when there is no candidate.
+
+        Args:
+            used: the keys ``(tenant, layout)`` of the pools sessions use now (never closed;
+                their last session's end names them again).
+            busy: ``busy(cache)``: True while something else works on the pool (a checkpoint
+                beside the loop); it is tried again at the next call.
+        """
+        self._check_open()
+        closer = self.closer
+        closer.candidates |= self.tier_lru.emptied
+        self.tier_lru.emptied.clear()
+        closed = []
+        for key in list(closer.candidates):
+            dc = self._pools.get(key)
+            if dc is None or key in used:
+                closer.candidates.discard(key)
+                continue
+            if busy is not None and busy(dc):
+                continue
+            try:
+                outcome = closer.close(dc)
+            except Exception as exc:  # noqa: BLE001 - the pool stays open, as it was
+                log.error("closing an empty pool failed tenant=%s model=%s error=%r", key[0],
+                          key[1].model_id, exc)
+                outcome = None
+            if outcome != BUSY or not closer.retry(key):
+                closer.candidates.discard(key)
+            if outcome == CLOSED:
+                self._forget(key, dc)
+                closed.append(key)
+                log.info("pool closed (no session, no cached block) tenant=%s model=%s path=%s",
+                         key[0], key[1].model_id, dc.state_dir)
+        return closed
+
+    def _forget(self, key, dc: DurableCache) -> None:
+        """A closed pool leaves the engine: its charges back, its log's room punched."""
+        del self._pools[key]
+        self._rooms.pop(key, None)
+        self.budgets.fixed_device.pop(key, None)
+        room = self._log_rooms.pop(dc.state_dir, None)
+        if room is not None:
+            room.release(punch=True)
+
     # -- periodic work -----------------------------------------------------------------------------
 
     def tick(self) -> None:
@@ -240,6 +304,10 @@ class Engine:
         try:
             self._each(lambda dc: dc.tick())
         finally:
+            for dc in self._pools.values():  # the logs' room follows them as they grow
+                room = self._log_rooms.get(dc.state_dir)
+                if room is not None:
+                    room.keep(dc.upkeep.checkpoint_bytes)
             self.budgets.watch_space((f"{t}/{layout.model_id}", dc.store)
                                      for (t, layout), dc in self._pools.items())
 
@@ -262,8 +330,9 @@ class Engine:
         try:
             self._each(lambda dc: dc.close())
         finally:
-            for tenant, _ in self._pools:
-                self.budgets.release_log(tenant)
+            for room in self._log_rooms.values():
+                room.release()
+            self._log_rooms.clear()
             self._pools.clear()
             self._rooms.clear()
             self._lock.release()
@@ -308,15 +377,17 @@ class Engine:
         """Open (recovering) the pool; ``sizes`` in slots per tier, as its manifest says (None:
         a manifest from before budgets, sized by the budgets now)."""
         sizes = sizes or self.budgets.pool_sizes(layout)
+        sizes = self.budgets.opening(tenant.name, layout, sizes)  # a GPU pool: what is left
         os.makedirs(self.config.shm_dir, exist_ok=True)
         dc = DurableCache(self.pool_path(tenant.name, layout), layout, sizes,
                           progress=self.progress, ledgers=self.budgets.by_tier(),
                           tenant=tenant.name, **cache_kwargs(self.config, tenant))
         try:
-            self.budgets.reserve_log(tenant.name, os.path.join(dc.state_dir, ENV_DIR, "data.mdb"))
+            room = self.budgets.log_room(tenant.name, os.path.join(dc.state_dir, ENV_DIR, "data.mdb"))
         except BaseException:
             dc.close()
             raise
+        self._log_rooms[dc.state_dir] = room
         return dc
 
 

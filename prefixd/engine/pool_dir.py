@@ -58,6 +58,19 @@ class PoolDirectory:
         tier) durably, before anything else is put in its directory."""
         _write_manifest(self.path(tenant.name, layout), tenant, layout, sizes)
 
+    def manifest_sizes(self, tenant: Tenant, layout: KVLayout) -> tuple | None | bool:
+        """The slots per tier the manifest of an existing (closed) pool of ``tenant`` and
+        ``layout`` keeps (None: a manifest from before budgets); False: no such pool.
+
+        Raises:
+            PoolDirError: see ``found``.
+        """
+        path = self.path(tenant.name, layout)
+        if not os.path.isfile(os.path.join(path, MANIFEST)):
+            return False
+        read = _read_manifest(path, tenant)
+        return False if read is None else read[1]
+
     def found(self, config: EngineConfig) -> list[tuple[Tenant, KVLayout, tuple | None]]:
         """The pools on disk whose tenant is configured in ``config``, each checked against its
         manifest, with its slots per tier."""

@@ -15,7 +15,8 @@ raises the tier's headroom: every log step then keeps that many free or quaranti
 evicting ahead, as kswapd keeps free pages.
 
 Invariants (``check_invariants``): ``headroom[k]`` is within ``[0, cap[k]]``, the cap being
-``MAX_HEADROOM_BATCHES`` first-headroom batches and at most an eighth of the tier; every sealed
+``MAX_HEADROOM_BATCHES`` first-headroom batches, at most an eighth of the tier and
+``HEADROOM_BYTES``; every sealed
 batch's mark is at most the engine's last position.
 """
 
@@ -28,6 +29,7 @@ from prefixd.cache.node import DISK, HOST
 log = logging.getLogger(__name__)
 
 MAX_HEADROOM_BATCHES = 8  # headroom cap, in ``first_headroom`` batches (class NOTE)
+HEADROOM_BYTES = 1 << 20  # ... and in bytes, per tier of a pool (class NOTE)
 
 
 class Quarantine:
@@ -40,13 +42,17 @@ class Quarantine:
 
     NOTE: no headroom until a shortage forces the log: a cache that never waits keeps all of
     its capacity. The first force sets it to ``first_headroom``, each next one doubles it, up to
-    ``MAX_HEADROOM_BATCHES`` batches (and an eighth of a small tier). Headroom is capacity the
-    cache does not use: bounded by a fraction of the tier alone, a busy 1M-block disk tier kept
-    131k blocks empty (and a state that had to reach 1M blocks never did); a few batches are
-    what one group commit frees, which is all that waiting for the watermark needs.
+    ``MAX_HEADROOM_BATCHES`` batches (and an eighth of a small tier), and ``HEADROOM_BYTES``
+    of ``block_bytes`` blocks. Headroom is capacity the cache does not use: bounded by a
+    fraction of the tier alone, a busy 1M-block disk tier kept 131k blocks empty (and a state
+    that had to reach 1M blocks never did); a few batches are what one group commit frees,
+    which is all that waiting for the watermark needs. In bytes: every pool's file is as large
+    as its tier's budget, so an eighth of it was an eighth of the whole budget per pool, kept
+    empty by each pool of the tier (``bench/budget.py``: shared/static 1.21 uncapped, 1.44 at
+    1 MiB with 100 forced waits in 3,000 requests, 1.41 at 512 KiB with 831).
     """
 
-    def __init__(self, cache, order, first_headroom: int) -> None:
+    def __init__(self, cache, order, first_headroom: int, block_bytes: int | None = None) -> None:
         self._cache = cache
         self._order = order
         self._first = first_headroom
@@ -54,7 +60,9 @@ class Quarantine:
         self.tiers = [t for t in (HOST, DISK) if cache is not None and cache.allocators[t] is not None]
         self.allocs = [cache.allocators[t] for t in self.tiers]
         self.headroom = [0] * len(self.allocs)
-        self.caps = [min(first_headroom * MAX_HEADROOM_BATCHES, a.num_slots // 8) for a in self.allocs]
+        byte_cap = 1 << 62 if not block_bytes else max(1, HEADROOM_BYTES // block_bytes)
+        self.caps = [min(first_headroom * MAX_HEADROOM_BATCHES, a.num_slots // 8, byte_cap)
+                     for a in self.allocs]
         self.num_forced = 0
 
     def seal(self, pos: int) -> None:

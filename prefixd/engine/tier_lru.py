@@ -77,6 +77,13 @@ class RoomPool(Protocol):
     def settle(self, tier: int) -> int:
         """Make its evictions durable and give back its idle extents; returns the bytes."""
 
+    def is_empty(self) -> bool:
+        """Whether it holds no block in any tier."""
+
+    def fixed(self, tier: int) -> bool:
+        """Whether its ``tier`` is allocated whole (a GPU pool): evicting there gives no bytes
+        back, and it never asks for any."""
+
 
 class PoolRoom:
     """A durable pool as ``TierLRU`` sees it (``RoomPool``)."""
@@ -89,7 +96,7 @@ class PoolRoom:
 
     def coldest_key(self, tier: int):
         cache = self.dc.cache
-        if cache.allocators[tier] is None:
+        if cache.allocators[tier] is None or self.fixed(tier):
             return None
         queue = cache.tree.queues[tier]
         node = queue.peek()
@@ -114,6 +121,13 @@ class PoolRoom:
     def settle(self, tier: int) -> int:
         return self.dc.settle_room(tier)
 
+    def is_empty(self) -> bool:
+        """No indexed block in any tier (a pool the engine may close: ``pool_close``)."""
+        return not any(self.dc.cache.tree.num_blocks_in)
+
+    def fixed(self, tier: int) -> bool:
+        return self.dc.cache.allocators[tier] is not None and self.dc.store.is_fixed(tier)
+
 
 class TierLRU:
     """The choice of victims across the pools of each tier.
@@ -123,7 +137,8 @@ class TierLRU:
         pools: returns every open pool as ``(key, RoomPool)`` (the engine's pools, now).
 
     Counters: ``rounds[tier]`` evictions asked, ``cross_pool[tier]`` settles of another pool
-    than the asking one, ``bytes_freed[tier]`` bytes they gave back.
+    than the asking one, ``bytes_freed[tier]`` bytes they gave back. ``emptied``: keys of the
+    pools a settle left with no block (the engine may close them: ``pool_close``).
     """
 
     def __init__(self, ledgers: dict[str, BudgetLedger],
@@ -134,6 +149,7 @@ class TierLRU:
         self.rounds = [0, 0, 0]
         self.cross_pool = [0, 0, 0]
         self.bytes_freed = [0, 0, 0]
+        self.emptied: set = set()
 
     def make_room(self, key, tier: int, num_blocks: int, others_only: bool = False) -> bool:
         """Make the ledger of ``tier`` able to take ``num_blocks`` more blocks of pool ``key``
@@ -142,7 +158,7 @@ class TierLRU:
         pool's blocks (it counted what it could evict itself already)."""
         pools = dict(self.pools())
         me = pools.get(key)
-        if me is None:
+        if me is None or me.fixed(tier):  # a whole pool has what it has: its own slots
             return False
         if others_only:
             del pools[key]
@@ -193,6 +209,8 @@ class TierLRU:
                     self.cross_pool[tier] += 1
                     freed = pools[victim_key].settle(tier)
                     self.bytes_freed[tier] += freed
+                    if pools[victim_key].is_empty():
+                        self.emptied.add(victim_key)
                     if not freed and recycles:  # spared from here on: see the module docstring
                         pools = {k: v for k, v in pools.items() if k != victim_key}
                 if not evicted:

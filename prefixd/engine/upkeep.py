@@ -13,16 +13,19 @@ A tier short only of quarantined slots makes the log durable at once (``force_re
 from __future__ import annotations
 
 import functools
+import logging
 
 from prefixd.cache.node import DISK
 from prefixd.crashpoints import crash_point
-from prefixd.engine.checkpoint import CheckpointTrigger
+from prefixd.engine.checkpoint import NO_SPACE_RETRY_S, CheckpointTrigger
 from prefixd.engine.checkpointer import Picture
 from prefixd.engine.picture_walk import PictureWalk
 from prefixd.engine.quarantine import Quarantine
 from prefixd.engine.records import scan_events
 from prefixd.storage.errors import StorageError
-from prefixd.wal import Kind
+from prefixd.wal import Kind, WalNoSpaceError
+
+log = logging.getLogger(__name__)
 
 TICK_PERIOD_S = 0.1  # how often the daemon's loop is expected to call ``DurableCache.tick``
 
@@ -74,9 +77,10 @@ class Upkeep:
         self.recovered = recovered
         self.spill_blocks = spill_blocks
         self.trigger = trigger
-        self.quarantine = Quarantine(cache, order, spill_blocks)
+        self.quarantine = Quarantine(cache, order, spill_blocks, store.layout.block_bytes)
         self.event_listener = None
         self.on_checkpoint_due = None
+        self.checkpoint_bytes = 0  # the last checkpoint's values (the log's room follows it)
 
     # -- the log step ----------------------------------------------------------------------------
 
@@ -206,10 +210,21 @@ class Upkeep:
 
     def checkpoint_due(self) -> None:
         """The log step's trigger fired (records or blocks since the last checkpoint)."""
-        if self.on_checkpoint_due is None:
-            self.checkpoint()
-        else:
+        if self.on_checkpoint_due is not None:
             self.on_checkpoint_due()
+            return
+        try:
+            self.checkpoint()
+        except WalNoSpaceError as exc:
+            self.checkpoint_no_space(exc)
+
+    def checkpoint_no_space(self, exc: WalNoSpaceError) -> None:
+        """A checkpoint met a full filesystem: the log is intact and keeps every record; the
+        next is due in ``NO_SPACE_RETRY_S`` (one WARNING per episode)."""
+        if not self.trigger.not_before:
+            log.warning("checkpoint postponed: its filesystem is full (the log keeps every "
+                        "record; retried every %.0f s) error=%s", NO_SPACE_RETRY_S, exc)
+        self.trigger.postpone(NO_SPACE_RETRY_S)
 
     def checkpoint_barrier(self):
         """The disk barrier (a Future) a checkpoint would wait for now, or None: a caller that
@@ -241,6 +256,7 @@ class Upkeep:
         """Hand ``picture``'s values (``Picture.values``) to the log; returns the Future of
         the write (any thread)."""
         crash_point("checkpoint_dumped")
+        self.checkpoint_bytes = sum(_value_bytes(v) for part in (index, seqs) for v in part.values())
         return self.wal.submit_checkpoint(picture.lsn, index, seqs)
 
     @poison_on_storage_error
@@ -262,3 +278,10 @@ class Upkeep:
     def check_invariants(self) -> None:
         self.quarantine.check_invariants()
         self.trigger.check_invariants()
+
+
+def _value_bytes(value) -> int:
+    """Bytes of a checkpoint value: one buffer, or its list of chunks."""
+    if isinstance(value, (list, tuple)):
+        return sum(memoryview(c).nbytes for c in value)
+    return memoryview(value).nbytes

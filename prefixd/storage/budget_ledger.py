@@ -122,6 +122,17 @@ class BudgetLedger:
             return False
         return self._after(tenant, n) <= self.capacity
 
+    def available(self, tenant: str) -> int:
+        """The most ``tenant`` may be charged now: within its max, without the bytes promised
+        to other tenants' reservations (its own unused reservation included)."""
+        with self._lock:
+            used, reserved = self._used.get(tenant, 0), self._reserved.get(tenant, 0)
+            room = self.capacity - self._footprint + max(0, reserved - used)
+            cap = self._max.get(tenant)
+            if cap is not None:
+                room = min(room, cap - used)
+            return max(0, room)
+
     def can_charge(self, tenant: str, n_bytes: int) -> bool:
         """Whether ``tenant`` may take ``n_bytes`` more: under its max, and without the bytes
         promised to other tenants' reservations."""

@@ -12,7 +12,9 @@ which kills the daemon, while ``preadv`` just returns short and the block fails 
 
 Both file-backed pools are sparse (``prefixd.storage.extents.SparsePoolFile``): the file is as
 large as its ``num_blocks`` and a hole until extents are grown for the slots handed out
-(``prefixd.storage.extent_slots``). A CUDA pool is allocated whole.
+(``prefixd.storage.extent_slots``). A CUDA pool is allocated whole, and charged whole to the
+device budget's ledger when it is opened (given back when it closes): CUDA's virtual-memory
+API could grow it by extents, but there is no GPU here to test that on.
 
 NOTE: a shm pool is mapped without ``MAP_POPULATE``, which would allocate the whole hole; each
 extent is populated as it grows (``madvise(MADV_POPULATE_WRITE)`` on its range): its pages are
@@ -108,7 +110,7 @@ def open_pool(layout: KVLayout, tier: int, num_blocks: int, *, state_dir: str, s
         return DiskPool(layout, tier, num_blocks, path=os.path.join(state_dir, f"{name}.disk.pool"),
                         fresh=fresh, file_id=file_id, ledger=ledger, tenant=tenant)
     if tier == DEVICE and cuda:  # pragma: no cover - needs a GPU
-        return TensorPool(layout, tier, num_blocks, path=None)
+        return TensorPool(layout, tier, num_blocks, path=None, ledger=ledger, tenant=tenant)
     path = os.path.join(shm_dir, f"{name}.{TIER_NAMES[tier]}.pool")
     return TensorPool(layout, tier, num_blocks, path=path, fresh=fresh, file_id=file_id,
                       pin=tier == HOST and cuda, ledger=ledger, tenant=tenant)
@@ -129,6 +131,8 @@ class TensorPool:
         ``path``/``file_id``: the shm pool file and its id (``None`` for a CUDA pool).
 
         ``sparse``: the shm file (``SparsePoolFile``; None on CUDA).
+        ``fixed_bytes``: what a whole (unmapped, CUDA) pool is charged to its ledger at open,
+        all of it, and gives back at ``close`` (0 for a file-backed pool: ``sparse`` charges).
 
     Invariants: ``tensor`` and ``rows`` alias the same bytes; the mapping spans the whole file.
 
@@ -139,18 +143,21 @@ class TensorPool:
 
     def __init__(self, layout: KVLayout, kind: int, num_blocks: int, *, path: str | None,
                  fresh: bool = False, file_id: bytes | None = None, pin: bool = False,
-                 ledger: BudgetLedger | None = None, tenant: str = DEFAULT_TENANT) -> None:
+                 ledger: BudgetLedger | None = None, tenant: str = DEFAULT_TENANT,
+                 device: str = "cuda") -> None:
         """Map (or allocate) the pool.
 
         Args:
-            path: the shm pool file; ``None`` allocates on CUDA (device tier on a GPU host).
+            path: the shm pool file; ``None`` allocates the whole pool on ``device`` (CUDA: the
+                device tier on a GPU host), charged whole to ``ledger`` first.
             fresh: replace an existing file instead of reopening it.
             file_id: expected id of an existing file (``None``: do not check), id of a new one
                 (``fresh``); a file that is expected and missing is refused.
             pin: page-lock the mapping for fast DMA (``cudaHostRegister``; CUDA only).
             ledger, tenant: who the file's extents are charged to (``open_sparse``).
         Raises:
-            SpaceError: the header's extent does not fit; BudgetExceededError: nor its budget;
+            SpaceError: the header's extent does not fit; BudgetExceededError: nor its budget
+            (a whole pool: all of it);
             HeaderMismatchError: an existing file is another pool's;
             PoolFileMissingError: ``file_id`` was given, ``fresh`` was not, and the file is gone.
         """
@@ -161,9 +168,21 @@ class TensorPool:
         self._mmap: mmap.mmap | None = None
         self._pinned_ptr: int | None = None
         self.sparse: SparsePoolFile | None = None
+        self.fixed_bytes = 0
+        self._ledger, self._tenant = ledger, tenant
         if path is None:
             self.file_id = None
-            self.tensor = torch.zeros(layout.pool_shape(num_blocks), dtype=layout.torch_dtype(), device="cuda")
+            nbytes = num_blocks * layout.block_bytes
+            if ledger is not None:
+                ledger.charge(tenant, nbytes)  # NOTE: a GPU pool stays whole (module docstring)
+            try:
+                self.tensor = torch.zeros(layout.pool_shape(num_blocks), dtype=layout.torch_dtype(),
+                                          device=device)
+            except BaseException:
+                if ledger is not None:
+                    ledger.release(tenant, nbytes)
+                raise
+            self.fixed_bytes = nbytes if ledger is not None else 0
             self.raw = self.tensor.view(num_blocks, -1).view(torch.uint8)
             self.rows = None
             return
@@ -214,6 +233,9 @@ class TensorPool:
             self._pinned_ptr = None
         self.tensor = self.raw = self.rows = None
         self._mmap = None  # unmapped when the last tensor view is freed
+        if self.fixed_bytes:
+            self._ledger.release(self._tenant, self.fixed_bytes)
+            self.fixed_bytes = 0
         if self.sparse is not None:
             self.sparse.on_grow = None
             self.sparse.close()

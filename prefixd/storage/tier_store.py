@@ -166,9 +166,13 @@ class TierStore:
         return self._allocators[self._present(tier)]
 
     def held_bytes(self, tier: Tier) -> int:
-        """Bytes the tier's pool file takes, as charged to its ledger (0 for a CUDA pool)."""
-        sparse = self.pool(tier).sparse
-        return 0 if sparse is None else sparse.charged
+        """Bytes the tier's pool takes, as charged to its ledger (a CUDA pool: all of it)."""
+        pool = self.pool(tier)
+        return pool.sparse.charged if pool.sparse is not None else pool.fixed_bytes
+
+    def is_fixed(self, tier: Tier) -> bool:
+        """Whether the tier's pool is allocated whole (CUDA): no extent to grow or give back."""
+        return not isinstance(self.allocator(tier), ExtentSlotAllocator)
 
     def extent_of(self, tier: Tier, slot: int) -> int:
         """The extent of the tier's file that ``slot`` starts in (0 for a CUDA pool).

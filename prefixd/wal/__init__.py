@@ -79,7 +79,9 @@ durable per ``sync``:
 
 A failed commit or fsync poisons the log: every waiting and later ticket fails and ``append``
 raises ``WalFailedError``. An fsync is never retried into a success (the kernel may have dropped
-the dirty pages it failed to write).
+the dirty pages it failed to write). One exception: a checkpoint whose write transaction meets a
+full filesystem (ENOSPC, EDQUOT) is aborted before its meta page, the log is as it was, and it
+raises ``WalNoSpaceError`` without poisoning anything: the caller retries later.
 
 Checkpoint
 ----------
@@ -122,6 +124,7 @@ from prefixd.wal.errors import (
     WalCorruptError,
     WalError,
     WalFailedError,
+    WalNoSpaceError,
 )
 from prefixd.wal.group import WalStats
 from prefixd.wal.meta import FORMAT_VERSION, MetaInfo
@@ -131,5 +134,5 @@ from prefixd.wal.wal import Wal
 __all__ = [
     "FORMAT_VERSION", "KIND_SPECS", "EnvAlreadyOpenError", "ForkedEnvError", "Kind", "MetaInfo",
     "Record", "StateLockedError", "StateMismatchError", "Wal", "WalClosedError", "WalCorruptError",
-    "WalError", "WalFailedError", "WalStats", "decode", "encode", "field_names",
+    "WalError", "WalFailedError", "WalNoSpaceError", "WalStats", "decode", "encode", "field_names",
 ]

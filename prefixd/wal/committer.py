@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple
 
 from prefixd.crashpoints import crash_point
 from prefixd.wal.env import WalEnv
-from prefixd.wal.errors import WalError, WalFailedError
+from prefixd.wal.errors import WalError, WalFailedError, WalNoSpaceError
 from prefixd.wal.tickets import Tickets, resolve
 
 log = logging.getLogger(__name__)
@@ -280,7 +280,7 @@ class Committer:
     def run_job(self, job: Callable[[], object], fut: Future) -> None:
         try:
             result = job()
-        except (ValueError, TypeError) as exc:  # caller's bad input; nothing was written
+        except (ValueError, TypeError, WalNoSpaceError) as exc:  # nothing was written
             fut.set_exception(exc)
             return
         # any other failure propagates: the caller poisons the log and fails ``fut``

@@ -51,6 +51,17 @@ class WalFailedError(WalError):
         super().__init__(message)
 
 
+class WalNoSpaceError(WalError):
+    """A checkpoint's write transaction met a full filesystem (ENOSPC, EDQUOT) and was
+    aborted: the log is intact and accepts records as before (it is NOT poisoned), the
+    checkpoint is simply not taken; try again once there is room."""
+
+    def __init__(self, path: str, cause: BaseException) -> None:
+        self.path = path
+        super().__init__(f"checkpoint of {path} not taken: {cause}; the log keeps every record "
+                         f"and the checkpoint is retried (free space on that filesystem)")
+
+
 class WalClosedError(WalError):
     """The Wal was used after ``close()``."""
 

@@ -7,6 +7,7 @@ committer thread. Close order is the reverse.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -14,11 +15,13 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import TypeVar
 
+import lmdb
+
 from prefixd.crashpoints import crash_point
 from prefixd.wal.checkpoint_store import read_checkpoint, write_checkpoint
 from prefixd.wal.codec import Record
 from prefixd.wal.env import DEFAULT_MAP_SIZE, MAX_MAP_SIZE, WalEnv, is_open_here
-from prefixd.wal.errors import EnvAlreadyOpenError, WalClosedError, WalFailedError
+from prefixd.wal.errors import EnvAlreadyOpenError, WalClosedError, WalFailedError, WalNoSpaceError
 from prefixd.wal.group import GroupCommitter, WalStats
 from prefixd.wal.lock import StateDirLock
 from prefixd.wal.meta import MetaInfo, open_meta
@@ -258,7 +261,14 @@ class Wal:
                 crash_point("wal_checkpoint_inside")
                 return deleted
 
-            deleted = wenv.write(txn_fn)
+            try:
+                deleted = wenv.write(txn_fn)
+            except lmdb.Error as exc:
+                if not _no_space(exc, self.state_dir, index, seqs):
+                    raise
+                # NOTE: the transaction was aborted before its meta page: the log is as it was,
+                # so it is not poisoned (every record is kept; the checkpoint is retried)
+                raise WalNoSpaceError(self.state_dir, exc) from exc
             if self.sync == "interval":  # "commit": the env fsynced inside commit
                 committer.sync_now()
             committer.count_checkpoint()
@@ -381,3 +391,26 @@ class Wal:
             self._lock.check_invariants()
             stats = self._committer.stats()
             assert stats.committed_lsn >= self.meta.checkpoint_lsn, "lsn counter behind the checkpoint"
+
+
+_NO_SPACE = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
+
+
+def _no_space(exc: BaseException, state_dir: str, index: dict, seqs: dict) -> bool:
+    """Whether a checkpoint's LMDB error is a full filesystem (py-lmdb keeps only the
+    ``strerror`` text): ENOSPC, EDQUOT, or EIO (LMDB's word for a write cut short) while the
+    filesystem has less free space than the checkpoint's values."""
+    text = str(exc)
+    if any(t in text for t in _NO_SPACE):
+        return True
+    if os.strerror(errno.EIO) not in text:
+        return False
+    need = 0
+    for value in (*index.values(), *seqs.values()):
+        need += sum(memoryview(c).nbytes for c in value) if isinstance(value, (list, tuple)) \
+            else memoryview(value).nbytes
+    try:
+        st = os.statvfs(state_dir)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < need

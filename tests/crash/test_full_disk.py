@@ -30,7 +30,7 @@ from prefixd.api.layout import KVLayout
 from prefixd.storage.extents import EXTENT_BYTES
 from prefixd.storage.poolfile import free_bytes
 from prefixd.api.tiers import Tier
-from prefixd.wal import WalFailedError
+from prefixd.wal import WalFailedError, WalNoSpaceError
 from tests.cache.helpers import StoreTokens
 from tests.crash.prefixd_workload import BS, LAYOUT, check, open_cache
 from tests.requires import missing
@@ -193,6 +193,44 @@ def test_lmdb_out_of_space_fails_the_commit_and_keeps_every_acknowledged_one(tmp
     _close_poisoned(dc)
     result = check(state, shm_dir, acks, sizes=SIZES)
     assert result["acks"] == len(acks)
+
+
+def test_a_checkpoint_on_a_full_filesystem_fails_cleanly_and_is_retried(tmpfs, shm_dir, caplog):
+    """Guards against a checkpoint that meets ENOSPC poisoning the log (every later commit
+    DATA_LOSS, as a commit's ENOSPC must): the checkpoint's transaction is aborted before its
+    meta page, so it raises ``WalNoSpaceError``, the log keeps every record and commits go on;
+    the trigger's checkpoint logs one WARNING and waits before it tries again; once space is
+    back a checkpoint is taken and a reopen finds every acknowledged commit."""
+    state = tmpfs(2 << 20)
+    dc = open_cache(state, shm_dir, SIZES, checkpoint_records=1 << 30)
+    acks = []
+    for i in range(300):  # ~3,000 blocks: a checkpoint of some 100 KiB
+        tokens = _prompt(i)
+        _serve(dc, tokens)
+        acks.append(_ack(tokens))
+    filler = os.path.join(state, "filler")
+    fd = os.open(filler, os.O_CREAT | os.O_WRONLY, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, free_bytes(state) - (16 << 10))  # 16 KiB: commits, not a checkpoint
+    finally:
+        os.close(fd)
+    with pytest.raises(WalNoSpaceError):
+        dc.checkpoint()
+    assert dc.wal.failure is None  # not poisoned
+    tokens = _prompt(5_000, num_blocks=1)
+    _serve(dc, tokens)  # still acknowledged
+    acks.append(_ack(tokens))
+    dc.checkpoint_records = 1  # the trigger's checkpoint: postponed, said once
+    with caplog.at_level("WARNING", logger="prefixd.engine.upkeep"):
+        dc.upkeep.checkpoint_due()
+        dc.upkeep.checkpoint_due()  # postponed: not due again yet
+    warnings = [r for r in caplog.records if "checkpoint postponed" in r.getMessage()]
+    assert len(warnings) == 1 and not dc.upkeep.trigger.due()
+    os.unlink(filler)
+    assert dc.checkpoint() > 0  # space is back
+    assert dc.upkeep.trigger.not_before == 0.0
+    dc.close()
+    assert check(state, shm_dir, acks, sizes=SIZES)["acks"] == len(acks)
 
 
 def test_a_failed_wal_fsync_poisons_the_log_and_is_never_retried(tmp_path, shm_dir, monkeypatch):

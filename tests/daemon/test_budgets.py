@@ -336,7 +336,8 @@ def _fill(path: str) -> int:
 def test_a_disk_filled_by_another_file_keeps_commits_going_and_service_comes_back():
     """Mid-run another file fills the state directory's filesystem: every commit at crash
     still succeeds (the log writes into its kept room, blocks stay in the host tier) and the
-    recent ones stay hits, no DATA_LOSS, one WARNING and a metric; once the file is removed,
+    recent ones stay hits, a checkpoint is taken in the log's room, no DATA_LOSS, one WARNING
+    and a metric; once the file is removed,
     new blocks reach the disk tier again and the metric clears."""
     with tmpfs_base(320 * MiB) as base, DaemonProcess(config(), base=base, lease_s=600.0).start() as d:
         stub = d.stub()
@@ -364,6 +365,7 @@ def test_a_disk_filled_by_another_file_keeps_commits_going_and_service_comes_bac
         assert len(warnings) == 1, warnings  # one WARNING, not one per refused grow
         for i in done[-40:]:  # 40 MiB: what the host tier holds while the disk takes nothing
             assert stub.Lookup(pb.LookupRequest(session_id=sid, tokens=prompt(i, 8, 16))).cached_tokens == 128
+        stub.Checkpoint(pb.CheckpointRequest())  # the log's kept room holds a checkpoint
         before = on_disk()
         os.unlink(filler)
         deadline, i = time.monotonic() + 60, 120
@@ -378,3 +380,4 @@ def test_a_disk_filled_by_another_file_keeps_commits_going_and_service_comes_bac
             store(stub, sid, prompt(i, 8, 16))
             i += 1
         assert "the filesystem has room again" in d.log()
+        stub.Checkpoint(pb.CheckpointRequest())

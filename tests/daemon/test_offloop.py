@@ -333,3 +333,47 @@ def test_checkpoints_the_engine_triggers_run_beside_commits_and_a_restart_keeps_
         assert d.stop() == 0
         d.start()
         check_hits()
+
+
+def test_a_checkpoint_the_trigger_starts_on_a_full_filesystem_warns_once_and_waits(tmp_path, caplog):
+    """Its write raises ``WalNoSpaceError`` (the log intact): one WARNING, no ERROR, the
+    pool's trigger waits before the next; the pool keeps committing."""
+    import asyncio
+    from concurrent.futures import Future
+
+    from prefixd.api.layout import KVLayout
+    from prefixd.daemon.offloop import OffLoop
+    from prefixd.engine.durable import DurableCache
+    from prefixd.wal import WalNoSpaceError
+
+    layout = KVLayout("full", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", block_size=4)
+    dc = DurableCache(str(tmp_path / "state"), layout, (16, 64, 0), shm_dir=str(tmp_path / "shm"))
+    offloop = OffLoop()
+
+    def no_space(picture, index, seqs):
+        fut = Future()
+        fut.set_exception(WalNoSpaceError(dc.state_dir, OSError(28, "No space left on device")))
+        return fut
+
+    dc.upkeep.submit_checkpoint = no_space
+
+    async def run() -> None:
+        offloop.watch(dc)
+        for n in (1, 2):
+            dc.on_checkpoint_due()
+            while offloop.num_failed < n:
+                await asyncio.sleep(0.01)
+            for _ in range(10):  # the task's last steps: the warning, its done callback
+                await asyncio.sleep(0)
+
+    try:
+        with caplog.at_level("WARNING"):
+            asyncio.run(run())
+        assert [r.levelname for r in caplog.records if "checkpoint" in r.getMessage()] == ["WARNING"]
+        assert dc.upkeep.trigger.not_before > 0 and offloop.num_failed == 2
+        seq = dc.open(list(range(9)))
+        dc.commit(seq.id).result()
+        assert dc.wal.failure is None
+    finally:
+        offloop.close()
+        dc.close()

@@ -91,3 +91,36 @@ def test_a_full_filesystem_is_said_once_per_episode_and_cleared_after_quiet_seco
     assert len(warnings) == 1 and "filesystem is full" in warnings[0].getMessage()
     assert len(infos) == 1
     assert budgets.snapshot()["out_of_space"] is False
+
+
+def test_a_gpu_pool_takes_its_device_tier_whole_from_the_device_budget(tmp_path):
+    """With the device tier on a GPU (``Machine.gpu_total``), a pool opens with what its
+    tenant may take of the device budget now, charged whole (``TensorPool``, tested on the
+    CPU in ``tests/storage/test_pools.py``); once the budget is taken, a new layout's Attach is
+    refused naming ``[engine.budget] device`` and its open is refused; the open pool's own
+    Attach is not; a closed pool's blocks are free again. No GPU here: ledger and sizing only."""
+    from prefixd.config.budget_settings import Machine
+    from prefixd.engine.budgets import Budgets
+    from prefixd.storage.errors import BudgetExceededError
+    import pytest
+
+    cfg = EngineConfig(budget=BudgetSpec(device="16MiB", host="32MiB", disk="128MiB"),
+                       shm_dir=str(tmp_path / "shm"), tenants=(Tenant("a", b"a"), Tenant("b", b"b")))
+    budgets = Budgets(cfg, str(tmp_path), Machine(64 << 30, 1 << 40, gpu_total=80 << 30))
+    assert budgets.device_fixed
+    device = budgets.ledgers["device"]
+    sizes = budgets.opening("a", LAYOUT, budgets.pool_sizes(LAYOUT))
+    assert sizes[0] == budgets.pool_sizes(LAYOUT)[0] == budgets.fixed_device[("a", LAYOUT)]
+    device.charge("a", sizes[0] * LAYOUT.block_bytes)  # what the pool's TensorPool charges
+    assert budgets.refusal("a", LAYOUT, 64) is None  # its own pool is open
+    why = budgets.refusal("b", OTHER, 64)
+    assert why is not None and "[engine.budget] device" in why and "taken whole" in why, why
+    with pytest.raises(BudgetExceededError, match=r"\[engine.budget\] device"):
+        budgets.opening("b", OTHER, budgets.pool_sizes(OTHER))
+    device.release("a", sizes[0] * LAYOUT.block_bytes)  # the pool closed
+    del budgets.fixed_device[("a", LAYOUT)]
+    assert budgets.refusal("b", OTHER, 64) is None
+    half = budgets.opening("b", OTHER, (budgets.pool_sizes(OTHER)[0] // 2, 1, 1))[0]
+    device.charge("b", half * OTHER.block_bytes)
+    rest = budgets.opening("a", LAYOUT, budgets.pool_sizes(LAYOUT))[0]
+    assert rest == device.available("a") // LAYOUT.block_bytes < sizes[0]  # what is left

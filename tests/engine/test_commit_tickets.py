@@ -174,6 +174,25 @@ def test_headroom_stays_a_few_batches_of_a_big_tier():
     assert disk_cap <= 1_000_000 // 100, "headroom must stay a small share of a big tier"
 
 
+def test_headroom_is_capped_in_bytes():
+    """Every pool's file is as large as its tier's budget: an eighth of it per pool kept
+    empty an eighth of the whole budget for each pool (bench/budget.py: shared/static 1.21);
+    the cap is ``HEADROOM_BYTES`` of the pool's blocks."""
+    from prefixd.engine.quarantine import HEADROOM_BYTES, Quarantine
+    from prefixd.storage.slots import SlotAllocator
+
+    class Cache:
+        allocators = [SlotAllocator(64), SlotAllocator(1 << 20), SlotAllocator(1 << 20)]
+
+    q = Quarantine(Cache(), order=None, first_headroom=256, block_bytes=4096)
+    for _ in range(40):
+        q.after_force()
+    assert q.headroom == [HEADROOM_BYTES // 4096] * 2
+    big = Quarantine(Cache(), order=None, first_headroom=256, block_bytes=8 << 20)
+    big.after_force()
+    assert big.headroom == [1, 1]  # a block more than the cap: one
+
+
 def test_tick_drops_the_marks_of_durable_records(make):
     """Bug (found by the daemon fuzz soak): every logged step left a (position, lsn) mark that
     only the quarantine ever drained, so open/release traffic grew the engine's memory without

@@ -41,6 +41,12 @@ class Pool:
         self.ledger.release(self.tenant, nbytes)
         return nbytes
 
+    def is_empty(self):
+        return not self.keys
+
+    def fixed(self, tier):
+        return False
+
 
 def lru(ledger, pools):
     return TierLRU({"device": ledger, "host": ledger, "disk": ledger}, lambda: pools.items())

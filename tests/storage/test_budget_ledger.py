@@ -153,3 +153,14 @@ def test_a_random_walk_matches_a_plain_model():
             used[t] -= n
         led.check_invariants()
         assert led.by_tenant() == used
+
+
+def test_available_is_the_largest_charge_that_fits():
+    """``available``: within the tenant's max, without others' unused reservations, with its
+    own; charging exactly that fits and one byte more does not."""
+    ledger = BudgetLedger("device", 100, tenants=[("a", 60, 10), ("b", None, 30)])
+    ledger.charge("b", 5)
+    for tenant, want in (("a", 60), ("b", 85), ("c", 60)):
+        n = ledger.available(tenant)
+        assert n == want, (tenant, n)
+        assert ledger.can_charge(tenant, n) and not ledger.can_charge(tenant, n + 1)

@@ -1,0 +1,130 @@
+"""``PoolCloser``: the engine closes a pool that holds nothing, and returns what it took.
+
+A pool is *empty* when its index holds no block in any tier, and no sequence (live or
+recovered and waiting for its client) holds a block. Nothing in it can be a hit, so keeping
+it open only costs: its mappings, fds, the log's environment and threads, its files' first
+extents and its log's room. The daemon closes an empty pool that no session uses (it knows
+the sessions: ``Engine.close_empty_pools``); the next Attach of its layout opens it again,
+through the ordinary recovery, which finds an empty index.
+
+Closing, in order (``close``):
+
+1. every pending record is logged and made durable, and every quarantined slot released
+   (``Upkeep.force_release``): no committed record names a block any more;
+2. every extent of every tier's file is punched (the header's excepted), charges released;
+3. the pool is closed (log, files, mappings, threads; the files' header extents released);
+4. the shm files (device, host) are unlinked: their memory goes back whole. The next open
+   finds no host file, as after a reboot, and starts the tier empty; the device tier is
+   always started empty;
+5. the disk file keeps only its header page (the rest of its first extent punched: a reopen
+   allocates it again before any slot in it is used), and the log's room is punched
+   (``LogRoom.release``).
+
+A kill at any point leaves a pool that recovers as an empty one: the log says the index is
+empty before step 2 begins, and every later step only gives back what it does not name.
+
+When: candidates are pools whose last session ended, pools an eviction of another pool left
+with no block (``TierLRU.emptied``), and, once, every pool a start recovered; the daemon
+tries them on its tick (never per request). A candidate that is not empty yet is dropped
+(a later session end or eviction names it again); one whose log or disk writer is busy is
+kept for the next tick, ``MAX_TRIES`` ticks at most.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from prefixd.api.tiers import Tier
+from prefixd.storage import falloc
+from prefixd.storage.errors import StorageError
+from prefixd.storage.extents import EXTENT_BYTES
+from prefixd.storage.poolfile import DATA_OFFSET
+
+log = logging.getLogger(__name__)
+
+NOT_EMPTY, BUSY, CLOSED = "not empty", "busy", "closed"
+MAX_TRIES = 50  # a pool BUSY this many ticks in a row (5 s) is dropped until it is named again
+
+
+def is_empty(dc) -> bool:
+    """No indexed block in any tier and no sequence, live or recovered."""
+    cache = dc.cache
+    return (not any(cache.tree.num_blocks_in) and not dc.recovered
+            and next(iter(cache.sequences()), None) is None)
+
+
+class PoolCloser:
+    """The pools to try (``candidates``, keys of the engine's pools) and the count closed.
+
+    Thread safety: the engine's thread only.
+    """
+
+    def __init__(self) -> None:
+        self.candidates: set = set()
+        self.num_closed = 0
+        self._tries: dict = {}  # key -> BUSY outcomes in a row
+
+    def note(self, key) -> None:
+        self.candidates.add(key)
+        self._tries.pop(key, None)
+
+    def retry(self, key) -> bool:
+        """A close of ``key`` was BUSY: whether to try again (at most ``MAX_TRIES`` in a row: a
+        filesystem that cannot punch keeps its extents for good)."""
+        n = self._tries.get(key, 0) + 1
+        if n >= MAX_TRIES:
+            self._tries.pop(key, None)
+            return False
+        self._tries[key] = n
+        return True
+
+    def close(self, dc) -> str:
+        """Close ``dc`` if it is empty (see the module docstring); returns ``CLOSED``,
+        ``NOT_EMPTY`` (nothing done) or ``BUSY`` (records made durable and extents punched,
+        but a tier still holds more than its header: try again later).
+
+        Raises:
+            WalFailedError, StorageError: the log or a punch failed (the pool stays open).
+        """
+        if not is_empty(dc):
+            return NOT_EMPTY
+        dc.upkeep.force_release()
+        store = dc.store
+        for tier in store.tiers:
+            store.shrink(tier)
+        header = {t: store.pool(t).sparse.extent_map.charge(0) for t in store.tiers
+                  if store.pool(t).sparse is not None}
+        if any(store.held_bytes(t) > first for t, first in header.items()) or not is_empty(dc):
+            return BUSY
+        shm = [store.pool(t).path for t in (Tier.DEVICE, Tier.HOST)
+               if t in store.tiers and store.pool(t).path is not None]
+        disk = store.pool(Tier.DISK).path if Tier.DISK in store.tiers else None
+        dc.close()
+        for path in shm:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        if disk is not None:
+            _keep_header_only(disk)
+        self.num_closed += 1
+        return CLOSED
+
+
+def _keep_header_only(path: str) -> None:
+    """Punch a closed disk pool file's first extent past its header page (best effort: a
+    filesystem that cannot punch keeps it allocated, as a shrink does)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        length = min(EXTENT_BYTES, os.fstat(fd).st_size) - DATA_OFFSET
+        if length > 0:
+            falloc.punch(fd, path, DATA_OFFSET, length)
+            os.fsync(fd)
+    except (falloc.PunchUnsupportedError, StorageError, OSError) as exc:
+        log.info("a closed pool's disk file keeps its first extent path=%s error=%s", path, exc)
+    finally:
+        os.close(fd)
