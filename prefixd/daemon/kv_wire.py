@@ -13,8 +13,8 @@ vLLM's structs (``vllm/distributed/kv_events.py``):
   ``BlockRemoved``: ``block_hashes``, ``medium``; ``AllBlocksCleared``: nothing.
 
 Block hashes are vLLM's ``ExternalBlockHash`` as an unsigned 64-bit int: ``ExternalHashes``
-turns prefixd's 128-bit chained hashes into them. ``medium`` names the tier as vLLM's
-offloading connectors do (``MEDIUMS``).
+turns prefixd's 128-bit chained hashes into them. ``medium`` names the tier (``MEDIUMS``):
+``"GPU"`` and ``"CPU"`` as vLLM names them, ``"DISK"`` as Dynamo's router names its disk tier.
 
 The replay socket (a ROUTER) answers a request ``[identity, b"", start_seq]`` with
 ``[identity, b"", topic, seq, payload]`` for each kept batch numbered ``>= start_seq``, then the
@@ -29,8 +29,10 @@ import time
 import msgpack
 import numpy as np
 
-# by prefixd's tier index (device, host, disk): vLLM's MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE
-MEDIUMS = ("GPU", "CPU", "STORAGE")
+# by prefixd's tier index (device, host, disk). NOTE: the disk tier is "DISK", not vLLM's
+# MEDIUM_STORAGE: Dynamo's router reads "DISK" as its disk tier in every version, "STORAGE" only
+# in recent ones (before, an unknown medium counts as the GPU's); docs/design.md has the evidence
+MEDIUMS = ("GPU", "CPU", "DISK")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 STORED, REMOVED, CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
 
