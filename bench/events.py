@@ -2,13 +2,14 @@
 
 Two ``prefixd serve`` processes on fresh state (pools in ``/dev/shm``), the same but for
 ``[daemon.kv_events]``: one publishes (PUB + replay ROUTER on ``ipc://``, a subscriber reading
-every batch on a thread of this process), one does not. A round is one phase of each, back to
-back on fresh prompts, the order swapped every round (off-publish, publish-off, ...), so that
-the host's noise lands on both and a round's two phases share the host's state. A phase is 8
-client processes (``prefixd.client``) doing gsp requests together: ``open`` of the prompt (a
-shared 512-token system prompt + a unique 64-token question), then ``release`` with commit at
-durability ``crash``. Layout ``bench-events``: 1 layer x 1 KV head x head dim 8, fp16, block 16
-(512-byte blocks, as ``bench/rpc.py``), tiers device / host / disk small enough that blocks are
+every batch on a thread of this process), one does not. A round is one phase of each, off then
+publish, on fresh prompts, each phase followed by a pause (``SETTLE_S``): phases alternate
+(off, publish, off, ...), each after the other side's, so that the host's noise lands on both
+and a round's two phases share the host's state. A phase is 8 client processes
+(``prefixd.client``) doing gsp requests together: ``open`` of the prompt (a shared 512-token
+system prompt + a unique 64-token question), then ``release`` with commit at durability
+``crash``. Layout ``bench-events``: 1 layer x 1 KV head x head dim 8, fp16, block 16 (512-byte
+blocks, as ``bench/rpc.py``), tiers device / host / disk small enough that blocks are
 evicted and demoted (so every event kind flows). Prints one JSON object:
 
 - ``off.per_request_us`` / ``publish.per_request_us``: the median over the rounds of a phase's
@@ -18,9 +19,10 @@ evicted and demoted (so every event kind flows). Prints one JSON object:
   and ``ratio_paired_median`` their median (a round's phases share the host's load, so this
   one is the least disturbed by its drift);
 - ``*.daemon_cpu_us_per_request``: the daemon process's CPU (every thread) per request of a
-  phase, warm-up included (the median over the rounds); ``publish.loop_us_per_request``: the loop's time in the publisher
-  (``prefixd_kv_events_loop_seconds``) per request; ``loop_share``: that over the daemon's
-  CPU per request without publishing (the cost on the hot path, free of the host's noise);
+  phase, warm-up included (the median over the rounds); ``publish.loop_us_per_request``: the
+  loop's time in the publisher (``prefixd_kv_events_loop_seconds``) per request;
+  ``loop_share``: that over the daemon's CPU per request without publishing (the cost on the
+  hot path, free of the host's noise);
 - ``events_per_s``, ``batches_per_s``: what the subscriber received per second of the
   publishing phases; ``dropped_batches``: what the daemon counted dropped (0 expected);
 - ``lag_p50_ms`` / ``lag_p99_ms``: from a commit's acknowledgment (``release`` returned in
@@ -55,6 +57,11 @@ from prefixd.tools.daemon_proc import DaemonProc  # noqa: E402
 
 BS = 16
 CLIENTS = 8
+# NOTE: a pause after every phase, so that the daemon's work behind it (write-behind to disk, a
+# checkpoint) does not run into the other side's phase: with the order swapped every round
+# (off-publish, publish-off) and no pause, the phase that followed its own side's ran slower,
+# and the rounds' publish / off alternated 0.4-0.85 / 1.2-1.44 (10 rounds, host load 8-11)
+SETTLE_S = 1.0
 SYSTEM, QUESTION = 512, 64
 LAYOUT = dict(model_id="bench-events", num_layers=1, num_kv_heads=1, head_dim=8,
               dtype="float16", block_size=BS)
@@ -211,16 +218,16 @@ def main(argv=None) -> dict:
         time.sleep(0.5)  # the subscription reaches the publisher
         runs = {"off": [], "publish": []}
         lags = []
-        for i in range(args.rounds):
-            for side in (("off", "publish") if i % 2 == 0 else ("publish", "off")):
+        for _ in range(args.rounds):
+            for side in ("off", "publish"):
                 d = daemons[side]
                 cpu0, loop0 = cpu_s(d.pid()), _loop_s(d) if side == "publish" else 0.0
                 r = phase(ctx, d.socket, rng, args.requests, args.warmup, system)
                 r["daemon_cpu_s"] = cpu_s(d.pid()) - cpu0
                 runs[side].append(r)
+                time.sleep(SETTLE_S)  # the daemon's work behind the phase ends off the next one
                 if side == "publish":
                     r["loop_s"] = _loop_s(d) - loop0
-                    time.sleep(0.2)  # the last batches arrive
                     sub.drain()
                     for key, t_ack in r.pop("acks"):
                         t_recv = sub.seen.get(key)
