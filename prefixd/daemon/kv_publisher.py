@@ -185,7 +185,10 @@ class KVPublishers:
         # cache call, is not timed: reading a thread's CPU clock is a system call)
         self.busy_ns = 0
         self._roots: dict[int, tuple[int, frozenset]] = {}  # id(tree) -> (len(roots), hashes)
-        # (tenant, layout) -> its pool's radix tree (a running daemon never drops a pool)
+        # (tenant, id(layout)) -> (layout, block size, its pool's radix tree): the engine hands
+        # each pool's events with one layout object, whose dataclass hash costs more than the
+        # note; the entry holds the layout, so its id is not reused while the entry lives (and a
+        # running daemon never drops a pool)
         self._trees: dict = {}
         log.info("kv events publishing endpoints=%s",
                  ",".join(p.endpoint for p in self.by_tenant.values()))
@@ -257,10 +260,11 @@ class KVPublishers:
         if pub is None or self._loop is None:
             return
         try:
-            tree = self._trees.get((tenant, layout))
-            if tree is None:
-                tree = self._trees[(tenant, layout)] = self._engine.pool(tenant, layout).cache.tree
-            pub.pending.append((events, layout.block_size, tree))
+            known = self._trees.get((tenant, id(layout)))
+            if known is None or known[0] is not layout:
+                tree = self._engine.pool(tenant, layout).cache.tree
+                known = self._trees[(tenant, id(layout))] = (layout, layout.block_size, tree)
+            pub.pending.append((events, known[1], known[2]))
             if self._timer is None:
                 self._timer = self._loop.call_later(FLUSH_S, self.flush)
         except Exception:  # noqa: BLE001 - a router's view must never fail a cache call
