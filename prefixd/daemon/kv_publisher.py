@@ -67,8 +67,9 @@ class TenantPublisher:
     """One tenant's PUB socket, numbers, replay buffer and the events of the coming batch.
 
     Fields: ``pending`` (notes ``(cache events, block size, radix tree)``, the coming
-    batch's, turned into wire events only at the flush, in one pass), ``buffer`` (``(seq, payload)`` of the last
-    ``buffer_batches`` batches, read by the replay thread), ``lineage`` (``kv_lineage``),
+    batch's, turned into wire events only at the flush, in one pass), ``buffer``
+    (``(seq, payload)`` of the last ``buffer_batches`` batches, read by the replay thread),
+    ``lineage`` (``kv_lineage``),
     counters ``batches``, ``dropped``, ``stored[tier]`` and ``removed[tier]`` (blocks).
     Touched on the loop's thread only, ``buffer`` excepted.
     """

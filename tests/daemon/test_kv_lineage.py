@@ -70,7 +70,8 @@ def test_copy_of_a_slice_has_the_runs_parent_and_tokens():
     got = _events(lambda b: b.stored(lineage.fields(mid, BS), "CPU"),
                   lambda b: b.stored(lineage.fields(first, BS), "DISK"),
                   lambda b: b.removed(lineage.packed(mid), "GPU"))
-    assert got == [_stored(ext.many(mid), ext.one(hashes[1]), tokens[2 * BS:4 * BS].tolist(), "CPU"),
+    parent = ext.one(hashes[1])
+    assert got == [_stored(ext.many(mid), parent, tokens[2 * BS:4 * BS].tolist(), "CPU"),
                    _stored(ext.many(first), 777, tokens[:2 * BS].tolist(), "DISK"),
                    {"type": "BlockRemoved", "block_hashes": ext.many(mid), "medium": "GPU"}]
 
