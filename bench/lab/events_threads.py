@@ -2,7 +2,8 @@
 daemon and one that does not, one phase each in turn, then each thread's CPU seconds
 (``/proc/<pid>/task``) per request, by thread name.
 
-Usage: ``python bench/lab/events_threads.py [--rounds N] [--requests N]``.
+Usage: ``python bench/lab/events_threads.py [--rounds N] [--requests N] [--aa]``; ``--aa``: the
+second daemon does not publish either (how far two equal daemons differ on this host).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--requests", type=int, default=150)
+    ap.add_argument("--aa", action="store_true", help="neither daemon publishes")
     args = ap.parse_args()
     import multiprocessing as mp
 
@@ -57,13 +59,13 @@ def main() -> None:
     try:
         for side in ("off", "publish"):
             base = tempfile.mkdtemp(prefix="pdev-", dir="/tmp")
-            kv = events.KV if side == "publish" else ""
+            kv = events.KV if side == "publish" and not args.aa else ""
             d = DaemonProc(base, config=events.CONFIG.format(shm="{shm}", kv=kv)
                            .replace("{base}", base), shm_dir=os.path.join(shm, side))
             os.makedirs(d.shm_dir, exist_ok=True)
             d.start(120.0)
             daemons[side] = d
-        sub = events.Subscriber(f"ipc://{daemons['publish'].base}/kv")
+        sub = events.Subscriber(f"ipc://{daemons['publish'].base}/kv")  # idle under --aa
         time.sleep(0.5)
         spent = {side: collections.defaultdict(float) for side in daemons}
         requests = 0
