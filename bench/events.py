@@ -2,21 +2,27 @@
 
 Two ``prefixd serve`` processes on fresh state (pools in ``/dev/shm``), the same but for
 ``[daemon.kv_events]``: one publishes (PUB + replay ROUTER on ``ipc://``, a subscriber reading
-every batch on a thread of this process), one does not. Phases alternate between them
-(``--phases`` of each, on fresh prompts, the order swapped every round) so that the host's
-noise lands on both. A phase is 8
-client processes (``prefixd.client``) doing gsp requests together: ``open`` of the prompt (a
-shared 512-token system prompt + a unique 64-token question), then ``release`` with commit at
-durability ``crash``. Layout ``bench-events``: 1 layer x 1 KV head x head dim 8, fp16, block 16
-(512-byte blocks, as ``bench/rpc.py``), tiers device / host / disk small enough that blocks are
+every batch on a thread of this process), one does not. A round is one phase of each, off then
+publish, on fresh prompts, each phase followed by a pause (``SETTLE_S``): phases alternate
+(off, publish, off, ...), each after the other side's, so that the host's noise lands on both
+and a round's two phases share the host's state. A phase is 8 client processes
+(``prefixd.client``) doing gsp requests together: ``open`` of the prompt (a shared 512-token
+system prompt + a unique 64-token question), then ``release`` with commit at durability
+``crash``. Layout ``bench-events``: 1 layer x 1 KV head x head dim 8, fp16, block 16 (512-byte
+blocks, as ``bench/rpc.py``), tiers device / host / disk small enough that blocks are
 evicted and demoted (so every event kind flows). Prints one JSON object:
 
-- ``off.per_request_us`` / ``publish.per_request_us``: each side's measured seconds over its
-  requests (all 8 clients together), in microseconds; ``ratio`` = publish / off;
+- ``off.per_request_us`` / ``publish.per_request_us``: the median over the rounds of a phase's
+  measured seconds over its requests (all 8 clients together), in microseconds (each round's
+  in ``per_request_us_by_round``; ``mean_per_request_us``: all seconds over all requests);
+  ``ratio`` = publish / off of those medians; ``ratio_by_round``: each round's publish / off,
+  and ``ratio_paired_median`` their median (a round's phases share the host's load, so this
+  one is the least disturbed by its drift);
 - ``*.daemon_cpu_us_per_request``: the daemon process's CPU (every thread) per request of a
-  phase, warm-up included; ``publish.loop_us_per_request``: the loop's time in the publisher
-  (``prefixd_kv_events_loop_seconds``) per request; ``loop_share``: that over the daemon's
-  CPU per request without publishing (the cost on the hot path, free of the host's noise);
+  phase, warm-up included (the median over the rounds); ``publish.loop_us_per_request``: the
+  loop's time in the publisher (``prefixd_kv_events_loop_seconds``) per request;
+  ``loop_share``: that over the daemon's CPU per request without publishing (the cost on the
+  hot path, free of the host's noise);
 - ``events_per_s``, ``batches_per_s``: what the subscriber received per second of the
   publishing phases; ``dropped_batches``: what the daemon counted dropped (0 expected);
 - ``lag_p50_ms`` / ``lag_p99_ms``: from a commit's acknowledgment (``release`` returned in
@@ -24,7 +30,7 @@ evicted and demoted (so every event kind flows). Prints one JSON object:
   block (wall clock of one host; a batch that arrives before the reply counts 0, and
   ``received_before_ack`` is the fraction that did).
 
-Usage: ``python bench/events.py --json [--phases N] [--requests N] [--out PATH]``.
+Usage: ``python bench/events.py --json [--rounds N] [--requests N] [--out PATH]``.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import os
 import pathlib
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -50,6 +57,11 @@ from prefixd.tools.daemon_proc import DaemonProc  # noqa: E402
 
 BS = 16
 CLIENTS = 8
+# NOTE: a pause after every phase, so that the daemon's work behind it (write-behind to disk, a
+# checkpoint) does not run into the other side's phase: with the order swapped every round
+# (off-publish, publish-off) and no pause, the phase that followed its own side's ran slower,
+# and the rounds' publish / off alternated 0.4-0.85 / 1.2-1.44 (10 rounds, host load 8-11)
+SETTLE_S = 1.0
 SYSTEM, QUESTION = 512, 64
 LAYOUT = dict(model_id="bench-events", num_layers=1, num_kv_heads=1, head_dim=8,
               dtype="float16", block_size=BS)
@@ -179,7 +191,7 @@ def phase(ctx, socket_path: str, rng, requests: int, warmup: int, system: np.nda
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--phases", type=int, default=4, help="phases of each side")
+    ap.add_argument("--rounds", type=int, default=8, help="rounds (a phase of each side)")
     ap.add_argument("--requests", type=int, default=150, help="per client per phase")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--out")
@@ -206,16 +218,16 @@ def main(argv=None) -> dict:
         time.sleep(0.5)  # the subscription reaches the publisher
         runs = {"off": [], "publish": []}
         lags = []
-        for i in range(args.phases):
-            for side in (("off", "publish") if i % 2 == 0 else ("publish", "off")):
+        for _ in range(args.rounds):
+            for side in ("off", "publish"):
                 d = daemons[side]
                 cpu0, loop0 = cpu_s(d.pid()), _loop_s(d) if side == "publish" else 0.0
                 r = phase(ctx, d.socket, rng, args.requests, args.warmup, system)
                 r["daemon_cpu_s"] = cpu_s(d.pid()) - cpu0
                 runs[side].append(r)
+                time.sleep(SETTLE_S)  # the daemon's work behind the phase ends off the next one
                 if side == "publish":
                     r["loop_s"] = _loop_s(d) - loop0
-                    time.sleep(0.2)  # the last batches arrive
                     sub.drain()
                     for key, t_ack in r.pop("acks"):
                         t_recv = sub.seen.get(key)
@@ -238,27 +250,32 @@ def main(argv=None) -> dict:
 
 def summary(runs: dict, lags: list[float], sub: Subscriber, pub_daemon) -> dict:
     def side(rs):
-        seconds = sum(r["seconds"] for r in rs)
-        requests = sum(r["requests"] for r in rs)
-        warm = sum(r["requests"] * (1 + r.get("warmup_share", 0)) for r in rs)
-        return {"per_request_us": round(seconds / requests * 1e6, 1),
+        per = [r["seconds"] / r["requests"] * 1e6 for r in rs]
+        cpu = [r["daemon_cpu_s"] / (r["requests"] * (1 + r.get("warmup_share", 0))) * 1e6
+               for r in rs]
+        seconds, requests = sum(r["seconds"] for r in rs), sum(r["requests"] for r in rs)
+        return {"per_request_us": round(statistics.median(per), 1),
+                "mean_per_request_us": round(seconds / requests * 1e6, 1),
                 "rps": round(requests / seconds, 1), "requests": requests,
-                "daemon_cpu_us_per_request": round(sum(r["daemon_cpu_s"] for r in rs) / warm
-                                                   * 1e6, 1),
-                "per_request_us_by_phase": [round(r["seconds"] / r["requests"] * 1e6, 1)
-                                            for r in rs]}
+                "daemon_cpu_us_per_request": round(statistics.median(cpu), 1),
+                "per_request_us_by_round": [round(x, 1) for x in per]}
 
     off, pub = side(runs["off"]), side(runs["publish"])
     pub_requests = sum(r["requests"] * (1 + r.get("warmup_share", 0)) for r in runs["publish"])
     pub["loop_us_per_request"] = round(sum(r["loop_s"] for r in runs["publish"]) / pub_requests
                                        * 1e6, 1)
     pub_seconds = sum(r["seconds"] for r in runs["publish"])
+    by_round = [p / o for p, o in zip(pub["per_request_us_by_round"],
+                                      off["per_request_us_by_round"])]
     early = sum(x < 0 for x in lags) / len(lags) if lags else None
     lags = sorted(max(0.0, x) for x in lags)
     stats = _stats(pub_daemon)
     return {
         "off": off, "publish": pub,
         "ratio": round(pub["per_request_us"] / off["per_request_us"], 3),
+        "ratio_paired_median": round(statistics.median(by_round), 3),
+        "ratio_by_round": [round(x, 3) for x in by_round],
+        "rounds": len(by_round),
         "loop_share": round(pub["loop_us_per_request"] / off["daemon_cpu_us_per_request"], 4),
         "events_per_s": round(sub.events / pub_seconds, 1),
         "batches_per_s": round(sub.batches / pub_seconds, 1),

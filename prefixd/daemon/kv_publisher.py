@@ -66,9 +66,10 @@ _clock = time.thread_time_ns  # CPU time: what the loop spends, not what the hos
 class TenantPublisher:
     """One tenant's PUB socket, numbers, replay buffer and the events of the coming batch.
 
-    Fields: ``pending`` (notes ``(cache events, block size, namespace root hashes)``, the
-    coming batch's, turned into wire events only at the flush, in one pass), ``buffer`` (``(seq, payload)`` of the last
-    ``buffer_batches`` batches, read by the replay thread), ``lineage`` (``kv_lineage``),
+    Fields: ``pending`` (notes ``(cache events, block size, radix tree)``, the coming
+    batch's, turned into wire events only at the flush, in one pass), ``buffer``
+    (``(seq, payload)`` of the last ``buffer_batches`` batches, read by the replay thread),
+    ``lineage`` (``kv_lineage``),
     counters ``batches``, ``dropped``, ``stored[tier]`` and ``removed[tier]`` (blocks).
     Touched on the loop's thread only, ``buffer`` excepted.
     """
@@ -81,7 +82,7 @@ class TenantPublisher:
         self.hashes = wire.ExternalHashes(ends.tenant)
         self.buffer: collections.deque = collections.deque(maxlen=buffer_batches)
         self.pending: list = []
-        self.lineage = Lineage()  # a tier copy's parent and token ids (``kv_lineage``)
+        self.lineage = Lineage(self.hashes)  # each indexed run, packed once (``kv_lineage``)
         self.next_seq = first_seq
         self.batches = self.dropped = 0
         self.hwm = hwm
@@ -104,11 +105,11 @@ class TenantPublisher:
             self.close()
             raise
 
-    def send(self, events: list[bytes]) -> int:
-        """Number, send (or count dropped) and keep one batch of ``events``; returns its number."""
+    def send(self, batch: wire.Batch) -> int:
+        """Number, send (or count dropped) and keep one batch; returns its number."""
         seq = self.next_seq
         self.next_seq = seq + 1
-        payload = wire.encode_batch(events)
+        payload = batch.encode()
         self.buffer.append((seq, payload))
         self.batches += 1
         try:  # NOTE: a frame a call, not send_multipart: its Python loop costs more than these
@@ -124,40 +125,37 @@ class TenantPublisher:
                             self.tenant, seq, self.dropped)
         return seq
 
-    def events(self) -> list[bytes]:
-        """The pending notes as packed wire events (and counted); ``pending`` emptied."""
-        out = []
-        add = out.append
-        ext = self.hashes.many
-        one = self.hashes.one
+    def events(self, roots_of) -> wire.Batch:
+        """The pending notes as one batch of wire events (and counted); ``pending`` emptied.
+        ``roots_of(tree)``: the hashes of the tree's namespace roots (a run under one has no
+        parent block)."""
+        batch = wire.Batch()
         stored, removed = self.stored, self.removed
         lineage = self.lineage
+        one = self.hashes.one
         mediums = wire.MEDIUMS
-        for events, bs, roots in self.pending:
+        gpu = mediums[DEVICE]
+        for events, bs, tree in self.pending:
+            roots = None
             for e in events:
                 t = type(e)
                 if t is BlocksStored:
-                    hashes = ext(e.hashes)
+                    if roots is None:
+                        roots = roots_of(tree)
                     parent = None if e.parent_hash in roots else one(e.parent_hash)
-                    fields = wire.stored_fields(hashes, parent, wire.token_list(e.tokens), bs)
-                    lineage.add(hashes, parent, e.tokens, fields)
-                    stored[DEVICE] += len(hashes)
-                    add(wire.stored(fields, mediums[DEVICE]))
+                    run = lineage.add(e.hashes, parent, e.tokens, bs)
+                    stored[DEVICE] += len(e.hashes)
+                    batch.stored(run.fields, gpu)
                 elif t is BlocksMoved:
-                    hashes = ext(e.hashes)
-                    fields = lineage.fields(hashes, bs)
-                    if fields is None:
-                        fields = wire.stored_fields(hashes, None, [], bs)
-                    stored[e.tier] += len(hashes)
-                    add(wire.stored(fields, mediums[e.tier]))
+                    stored[e.tier] += len(e.hashes)
+                    batch.stored(lineage.fields(e.hashes, bs), mediums[e.tier])
                 elif t is BlocksDropped:
-                    hashes = ext(e.hashes)
-                    removed[e.tier] += len(hashes)
-                    add(wire.removed(hashes, mediums[e.tier]))
+                    removed[e.tier] += len(e.hashes)
+                    batch.removed(lineage.packed(e.hashes), mediums[e.tier])
                     if e.forgotten:
-                        lineage.forget(hashes)
+                        lineage.forget(e.hashes)
         self.pending = []
-        return out
+        return batch
 
     def close(self) -> None:
         self.pub.close(0)
@@ -188,6 +186,11 @@ class KVPublishers:
         # cache call, is not timed: reading a thread's CPU clock is a system call)
         self.busy_ns = 0
         self._roots: dict[int, tuple[int, frozenset]] = {}  # id(tree) -> (len(roots), hashes)
+        # (tenant, id(layout)) -> (layout, block size, its pool's radix tree): the engine hands
+        # each pool's events with one layout object, whose dataclass hash costs more than the
+        # note; the entry holds the layout, so its id is not reused while the entry lives (and a
+        # running daemon never drops a pool)
+        self._trees: dict = {}
         log.info("kv events publishing endpoints=%s",
                  ",".join(p.endpoint for p in self.by_tenant.values()))
 
@@ -213,7 +216,9 @@ class KVPublishers:
         self._loop = asyncio.get_running_loop()
         self._engine = engine
         for pub in self.by_tenant.values():
-            pub.send([wire.cleared()])
+            batch = wire.Batch()
+            batch.cleared()
+            pub.send(batch)
         counts = dict.fromkeys(self.by_tenant, 0)
         for (tenant, layout), dc in sorted(engine.pool_items(), key=lambda kv: kv[0][0]):
             pub = self.by_tenant.get(tenant)
@@ -226,47 +231,41 @@ class KVPublishers:
 
     async def _index(self, pub: TenantPublisher, tree, block_size: int) -> int:
         """Every resident run of ``tree``, parents first, as batches of ``BlockStored``."""
-        ext, events, blocks = pub.hashes, [], 0
+        ext, batch, blocks = pub.hashes, wire.Batch(), 0
         for node in tree.nodes():
             parent = None if node.parent.is_root() else ext.one(node.parent.last_hash)
-            hashes = ext.many(node.hashes)
-            fields = wire.stored_fields(hashes, parent, wire.token_list(node.tokens), block_size)
-            pub.lineage.add(hashes, parent, node.tokens, fields)
+            run = pub.lineage.add(node.hashes, parent, node.tokens, block_size)
             for tier, slots in enumerate(node.slots):
                 if slots is None:
                     continue
-                events.append(wire.stored(fields, wire.MEDIUMS[tier]))
-                pub.stored[tier] += len(hashes)
-                blocks += len(hashes)
-            if len(events) >= SNAPSHOT_EVENTS:
-                pub.send(events)
-                events = []
+                batch.stored(run.fields, wire.MEDIUMS[tier])
+                pub.stored[tier] += len(node.hashes)
+                blocks += len(node.hashes)
+            if batch.num_events >= SNAPSHOT_EVENTS:
+                pub.send(batch)
+                batch = wire.Batch()
                 await asyncio.sleep(0)
-        if events:
-            pub.send(events)
+        if batch.num_events:
+            pub.send(batch)
         return blocks
 
     # -- live ------------------------------------------------------------------------------
 
     def observe(self, tenant: str, layout, events) -> None:
         """Note one logged batch of cache events of ``tenant``'s pool of ``layout``; a flush is
-        scheduled ``FLUSH_S`` on, unless one is. Never raises into the engine call."""
+        scheduled ``FLUSH_S`` on, unless one is. Never raises into the engine call.
+
+        NOTE: a note is an append, the events looked at only at the flush (in one pass, which
+        skips what no router is told): the engine calls this for every batch it logs."""
         pub = self.by_tenant.get(tenant)
         if pub is None or self._loop is None:
             return
         try:
-            roots, noted = None, False
-            for e in events:
-                t = type(e)
-                if t is BlocksStored:
-                    roots = self._root_hashes(self._engine.pool(tenant, layout).cache.tree)
-                    noted = True
-                    break
-                if t is BlocksMoved or t is BlocksDropped:
-                    noted = True
-            if not noted:
-                return
-            pub.pending.append((events, layout.block_size, roots))
+            known = self._trees.get((tenant, id(layout)))
+            if known is None or known[0] is not layout:
+                tree = self._engine.pool(tenant, layout).cache.tree
+                known = self._trees[(tenant, id(layout))] = (layout, layout.block_size, tree)
+            pub.pending.append((events, known[1], known[2]))
             if self._timer is None:
                 self._timer = self._loop.call_later(FLUSH_S, self.flush)
         except Exception:  # noqa: BLE001 - a router's view must never fail a cache call
@@ -274,7 +273,7 @@ class KVPublishers:
                           layout.model_id)
 
     def _root_hashes(self, tree) -> frozenset:
-        """The hashes of ``tree``'s namespace roots (a run under one has no parent block)."""
+        """The hashes of ``tree``'s namespace roots (roots are only ever added)."""
         known = self._roots.get(id(tree))
         if known is None or known[0] != len(tree.roots):
             known = (len(tree.roots), frozenset(r.hashes[0] for r in tree.roots.values()))
@@ -289,7 +288,9 @@ class KVPublishers:
             if not pub.pending:
                 continue
             try:
-                pub.send(pub.events())
+                batch = pub.events(self._root_hashes)
+                if batch.num_events:
+                    pub.send(batch)
             except Exception:  # noqa: BLE001 - the next batch still goes out
                 pub.pending = []
                 log.exception("kv events batch lost tenant=%s", pub.tenant)

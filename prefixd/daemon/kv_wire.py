@@ -13,8 +13,8 @@ vLLM's structs (``vllm/distributed/kv_events.py``):
   ``BlockRemoved``: ``block_hashes``, ``medium``; ``AllBlocksCleared``: nothing.
 
 Block hashes are vLLM's ``ExternalBlockHash`` as an unsigned 64-bit int: ``ExternalHashes``
-turns prefixd's 128-bit chained hashes into them. ``medium`` names the tier as vLLM's
-offloading connectors do (``MEDIUMS``).
+turns prefixd's 128-bit chained hashes into them. ``medium`` names the tier (``MEDIUMS``):
+``"GPU"`` and ``"CPU"`` as vLLM names them, ``"DISK"`` as Dynamo's router names its disk tier.
 
 The replay socket (a ROUTER) answers a request ``[identity, b"", start_seq]`` with
 ``[identity, b"", topic, seq, payload]`` for each kept batch numbered ``>= start_seq``, then the
@@ -29,12 +29,14 @@ import time
 import msgpack
 import numpy as np
 
-# by prefixd's tier index (device, host, disk): vLLM's MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE
-MEDIUMS = ("GPU", "CPU", "STORAGE")
+# by prefixd's tier index (device, host, disk). NOTE: the disk tier is "DISK", not vLLM's
+# MEDIUM_STORAGE: Dynamo's router reads "DISK" as its disk tier in every version, "STORAGE" only
+# in recent ones (before, an unknown medium counts as the GPU's); docs/design.md has the evidence
+MEDIUMS = ("GPU", "CPU", "DISK")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 STORED, REMOVED, CLEARED = "BlockStored", "BlockRemoved", "AllBlocksCleared"
 
-_pack = msgpack.Packer(use_bin_type=True).pack
+_pack = pack = msgpack.Packer(use_bin_type=True).pack  # ``pack``: a list of hashes, for one
 _from_bytes = int.from_bytes
 
 
@@ -75,8 +77,9 @@ def token_list(tokens: bytes) -> list[int]:
 
 
 # NOTE: events go out as msgpack bytes joined from fragments (the constant keys packed once),
-# never as dicts packed whole: a batch costs the loop a third less, and a tier copy of a whole
-# run reuses the run's packed fields (``stored_fields``) as they are.
+# never as dicts packed whole: a batch costs the loop a third less, and a tier copy or a drop of
+# a whole run reuses the run's packed fields or hashes (``kv_lineage``) as they are. A batch's
+# events are a list of fragments (``stored`` / ``removed`` add theirs), joined once.
 _STORED_HEAD = b"\x88" + _pack("type") + _pack(STORED) + _pack("block_hashes")
 _PARENT_KEY, _TOKENS_KEY = _pack("parent_block_hash"), _pack("token_ids")
 _BLOCK_SIZE_KEY = _pack("block_size")
@@ -84,36 +87,45 @@ _STORED_TAIL = {m: _pack("lora_id") + _pack(None) + _pack("medium") + _pack(m) +
                 + _pack(None) for m in MEDIUMS}
 _REMOVED_HEAD = b"\x83" + _pack("type") + _pack(REMOVED) + _pack("block_hashes")
 _REMOVED_TAIL = {m: _pack("medium") + _pack(m) for m in MEDIUMS}
+_CLEARED = b"\x81" + _pack("type") + _pack(CLEARED)
 
 
-def stored_fields(block_hashes: list[int], parent: int | None, token_ids: list[int],
+def stored_fields(packed_hashes: bytes, parent: int | None, token_ids: list[int],
                   block_size: int) -> bytes:
     """The packed fields of a ``BlockStored`` that every medium shares (``stored`` adds the
-    rest)."""
-    return b"".join((_pack(block_hashes), _PARENT_KEY, _pack(parent), _TOKENS_KEY,
-                     _pack(token_ids), _BLOCK_SIZE_KEY, _pack(block_size)))
+    rest); ``packed_hashes``: the block hashes, ``pack``ed."""
+    return b"".join((packed_hashes, _PARENT_KEY, _pack(parent), _TOKENS_KEY, _pack(token_ids),
+                     _BLOCK_SIZE_KEY, _pack(block_size)))
 
 
-def stored(fields: bytes, medium: str) -> bytes:
-    """A packed ``BlockStored`` event of ``stored_fields`` (keys in vLLM's field order, the tag
-    first)."""
-    return _STORED_HEAD + fields + _STORED_TAIL[medium]
+class Batch:
+    """The fragments of one ``KVEventBatch``'s events and how many events they make."""
 
+    __slots__ = ("parts", "num_events")
 
-def removed(block_hashes: list[int], medium: str) -> bytes:
-    """A packed ``BlockRemoved`` event."""
-    return _REMOVED_HEAD + _pack(block_hashes) + _REMOVED_TAIL[medium]
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.num_events = 0
 
+    def stored(self, fields: bytes, medium: str) -> None:
+        """A ``BlockStored`` of ``stored_fields`` (keys in vLLM's field order, the tag first)."""
+        self.parts += (_STORED_HEAD, fields, _STORED_TAIL[medium])
+        self.num_events += 1
 
-def cleared() -> bytes:
-    """A packed ``AllBlocksCleared`` event."""
-    return b"\x81" + _pack("type") + _pack(CLEARED)
+    def removed(self, packed_hashes: bytes, medium: str) -> None:
+        """A ``BlockRemoved`` of the ``pack``ed block hashes."""
+        self.parts += (_REMOVED_HEAD, packed_hashes, _REMOVED_TAIL[medium])
+        self.num_events += 1
 
+    def cleared(self) -> None:
+        """An ``AllBlocksCleared``."""
+        self.parts.append(_CLEARED)
+        self.num_events += 1
 
-def encode_batch(events: list[bytes], ts: float | None = None) -> bytes:
-    """The msgpack payload of one ``KVEventBatch`` of packed ``events``."""
-    return b"".join((b"\x93", _pack(time.time() if ts is None else ts), _header(len(events)),
-                     *events, b"\xc0"))
+    def encode(self, ts: float | None = None) -> bytes:
+        """The msgpack payload of this ``KVEventBatch``."""
+        return b"".join((b"\x93", _pack(time.time() if ts is None else ts),
+                         _header(self.num_events), *self.parts, b"\xc0"))
 
 
 def seq_bytes(seq: int) -> bytes:

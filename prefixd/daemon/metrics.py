@@ -207,8 +207,8 @@ def _kv_events(add, core) -> None:
         labels = {"tenant": tenant}
         add("prefixd_kv_events_batches", "counter", "KVEventBatch messages published on ZMQ",
             labels, p.batches)
-        add("prefixd_kv_events_pending", "gauge", "cache events noted for the next batch (sent "
-            "within 10 ms)", labels, len(p.pending))
+        add("prefixd_kv_events_pending", "gauge", "logged batches of cache events noted for "
+            "the next KVEventBatch (sent within FLUSH_S, 20 ms)", labels, len(p.pending))
         add("prefixd_kv_events_dropped_batches", "counter", "batches a subscriber's full queue "
             "could not take (sent to none; kept for replay)", labels, p.dropped)
         add("prefixd_kv_events_replayed_batches", "counter", "batches sent again on replay "

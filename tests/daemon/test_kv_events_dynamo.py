@@ -139,7 +139,7 @@ class MediumViews:
     (every tier holds root-anchored prefixes, and every store carries its parent and token
     ids): the deepest match over the media is the match over the union."""
 
-    WORKERS = {"GPU": 1, "CPU": 2, "STORAGE": 3}
+    WORKERS = {"GPU": 1, "CPU": 2, "DISK": 3}
 
     def __init__(self) -> None:
         self.tree = dynamo.RadixTree()
@@ -304,8 +304,8 @@ def test_dynamo_radix_tree_agrees_with_lookup_across_a_kill9(tmp_path):
             stats = session.stats()
             for key in ('prefixd_kv_events_removed_blocks_total{medium="GPU"}',
                         'prefixd_kv_events_removed_blocks_total{medium="CPU"}',
-                        'prefixd_kv_events_removed_blocks_total{medium="STORAGE"}',
-                        'prefixd_kv_events_stored_blocks_total{medium="STORAGE"}'):
+                        'prefixd_kv_events_removed_blocks_total{medium="DISK"}',
+                        'prefixd_kv_events_stored_blocks_total{medium="DISK"}'):
                 assert stats[key] > 0, (key, stats)  # evicted, demoted, forgotten
             assert sum(v for k, v in stats.items()
                        if k.startswith("prefixd_promoted_blocks_total")) > 0  # and promoted

@@ -164,11 +164,11 @@ def test_vllm_decoder_reads_every_batch_and_counts_match_stats(sessions, subs, t
     assert counts["batches"] == len(payloads) == stats["prefixd_kv_events_batches_total"]
     assert counts["cleared"] == 1
     for kind in ("stored", "removed"):
-        for medium in ("GPU", "CPU", "STORAGE"):
+        for medium in ("GPU", "CPU", "DISK"):
             want = stats[f'prefixd_kv_events_{kind}_blocks_total{{medium="{medium}"}}']
             assert counts.get(f"{kind}/{medium}", 0) == want, (kind, medium, counts, want)
     # the stream moved blocks through every tier, and Stats agree with the cache's own counts
-    for key in ("stored/GPU", "stored/CPU", "stored/STORAGE", "removed/GPU", "removed/CPU"):
+    for key in ("stored/GPU", "stored/CPU", "stored/DISK", "removed/GPU", "removed/CPU"):
         assert counts.get(key, 0) > 0, (key, counts)
     assert counts["stored/GPU"] >= stats["prefixd_committed_blocks_total"] > 0
 

@@ -1,0 +1,95 @@
+"""Where a daemon's CPU goes, by thread, under ``bench/events.py``'s workload: a publishing
+daemon and one that does not, one phase each in turn, then each thread's CPU seconds
+(``/proc/<pid>/task``) per request, by thread name.
+
+Usage: ``python bench/lab/events_threads.py [--rounds N] [--requests N] [--aa]``; ``--aa``: the
+second daemon does not publish either (how far two equal daemons differ on this host).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import numpy as np  # noqa: E402
+
+import events  # noqa: E402
+from prefixd.tools.daemon_proc import DaemonProc  # noqa: E402
+
+
+def threads_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds by thread name (threads of one name summed)."""
+    out: dict[str, float] = collections.defaultdict(float)
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                head, rest = f.read().rsplit(")", 1)
+        except FileNotFoundError:
+            continue
+        fields = rest.split()
+        out[head.split("(", 1)[1]] += (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=150)
+    ap.add_argument("--aa", action="store_true", help="neither daemon publishes")
+    args = ap.parse_args()
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["prefixd.client"])
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, 50000, events.SYSTEM, dtype="<i4")
+    shm = tempfile.mkdtemp(prefix="pd-lab-th-", dir="/dev/shm")
+    daemons, sub = {}, None
+    try:
+        for side in ("off", "publish"):
+            base = tempfile.mkdtemp(prefix="pdev-", dir="/tmp")
+            kv = events.KV if side == "publish" and not args.aa else ""
+            d = DaemonProc(base, config=events.CONFIG.format(shm="{shm}", kv=kv)
+                           .replace("{base}", base), shm_dir=os.path.join(shm, side))
+            os.makedirs(d.shm_dir, exist_ok=True)
+            d.start(120.0)
+            daemons[side] = d
+        sub = events.Subscriber(f"ipc://{daemons['publish'].base}/kv")  # idle under --aa
+        time.sleep(0.5)
+        spent = {side: collections.defaultdict(float) for side in daemons}
+        requests = 0
+        for _ in range(args.rounds):
+            for side, d in daemons.items():
+                before = threads_cpu(d.pid())
+                r = events.phase(ctx, d.socket, rng, args.requests, 10, system)
+                after = threads_cpu(d.pid())
+                for name, s in after.items():
+                    spent[side][name] += s - before.get(name, 0.0)
+                time.sleep(events.SETTLE_S)
+                sub.drain()
+            requests += r["requests"] * (1 + r["warmup_share"])
+        for side, by in spent.items():
+            rows = sorted(by.items(), key=lambda kv: -kv[1])
+            print(side, " ".join(f"{n}={s / requests * 1e6:.0f}us" for n, s in rows if s > 0))
+    finally:
+        if sub is not None:
+            sub.close()
+        for d in daemons.values():
+            d.stop(120.0)
+            d.close()
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
