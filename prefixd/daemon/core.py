@@ -108,6 +108,8 @@ class DaemonCore:
         closed = engine.close_empty_pools(used, self.offloop.busy)
         for key in closed:
             self.offloop.forget(closing[key])
+            if self.kv_publishers is not None:  # its tree goes with it; a reopen brings a new one
+                self.kv_publishers.forget_pool(closing[key].cache.tree)
         return len(closed)
 
     def call_closed(self, _context=None) -> None:

@@ -188,8 +188,8 @@ class KVPublishers:
         self._roots: dict[int, tuple[int, frozenset]] = {}  # id(tree) -> (len(roots), hashes)
         # (tenant, id(layout)) -> (layout, block size, its pool's radix tree): the engine hands
         # each pool's events with one layout object, whose dataclass hash costs more than the
-        # note; the entry holds the layout, so its id is not reused while the entry lives (and a
-        # running daemon never drops a pool)
+        # note; the entry holds the layout, so its id is not reused while the entry lives; a
+        # pool closed empty leaves by ``forget_pool``, and its reopening brings a new tree)
         self._trees: dict = {}
         log.info("kv events publishing endpoints=%s",
                  ",".join(p.endpoint for p in self.by_tenant.values()))
@@ -271,6 +271,16 @@ class KVPublishers:
         except Exception:  # noqa: BLE001 - a router's view must never fail a cache call
             log.exception("kv events of a batch lost tenant=%s model=%s", tenant,
                           layout.model_id)
+
+    def forget_pool(self, tree) -> None:
+        """Drop what is kept of a closed pool's ``tree`` (it held no block: nothing to say).
+        Its pending events go out first, at the flush that ``tree`` still serves."""
+        if any(tree is t for pub in self.by_tenant.values() for _, _, t in pub.pending):
+            if self._timer is not None:
+                self._timer.cancel()
+            self.flush()
+        self._trees = {k: v for k, v in self._trees.items() if v[2] is not tree}
+        self._roots.pop(id(tree), None)
 
     def _root_hashes(self, tree) -> frozenset:
         """The hashes of ``tree``'s namespace roots (roots are only ever added)."""

@@ -268,6 +268,38 @@ def test_a_subscriber_that_never_reads_is_counted_not_waited_for(daemon, session
     assert subs["alpha"].lost == 0
 
 
+def test_a_pool_closed_empty_and_opened_again_publishes_its_blocks_from_the_root(daemon, sessions, subs):
+    """An empty pool no session uses is closed; the next Attach opens it with a new tree, and
+    the publisher serves that one (not the closed pool's): a prompt committed after the reopen
+    goes out as one run from the root, and a longer one hangs off it."""
+    alpha, sub = sessions["alpha"], subs["alpha"]
+    layout = pc.KVLayout(model_id="kv-zmq-closing", num_layers=1, num_kv_heads=1, head_dim=8,
+                         dtype="float16", block_size=BS)
+    for _ in range(2):  # closed twice: nothing of a closed pool is kept, each time
+        closes = daemon.log_text().count("pool closed")
+        s = pc.connect(daemon.socket, layout, "zmq-closing")
+        s.release(s.open(prompt()))  # nothing committed: the pool stays empty
+        s.close()
+        deadline = time.monotonic() + 60
+        while daemon.log_text().count("pool closed") == closes:
+            assert time.monotonic() < deadline, "the empty pool was not closed"
+            time.sleep(0.05)
+    s = pc.connect(daemon.socket, layout, "zmq-closing")
+    try:
+        first = prompt(21)  # 5 full blocks
+        longer = first + list(range(9, 9 + 8))  # 2 more on the same prefix
+        commit(s, first)
+        commit(s, longer)
+        quiesce(sub, alpha)
+    finally:
+        s.close()
+    stored = [e for e in events_of(sub) if e["type"] == "BlockStored" and e["medium"] == "GPU"
+              and e["token_ids"][:BS] in (first[:BS], longer[5 * BS:6 * BS])]
+    assert [len(e["block_hashes"]) for e in stored] == [5, 2], stored
+    assert stored[0]["parent_block_hash"] is None and stored[0]["token_ids"] == first[:5 * BS]
+    assert stored[1]["parent_block_hash"] == stored[0]["block_hashes"][-1]
+
+
 def test_an_endpoint_another_process_holds_stops_the_start_with_one_line():
     holder = zmq.Context.instance().socket(zmq.PUB)
     holder.setsockopt(zmq.LINGER, 0)
