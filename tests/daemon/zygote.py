@@ -89,15 +89,22 @@ class Zygote:
                 self.proc.wait(30)
 
 
-_zygotes: dict[frozenset, Zygote] = {}
+# pytest names the running test in the environment: not a difference a daemon sees
+_IGNORED = frozenset({"PYTEST_CURRENT_TEST"})
+_KEEP = 2  # zygotes kept at once (each holds an imported torch: ~250 MB)
+_zygotes: dict[frozenset, Zygote] = {}  # least recently used first
 
 
 def zygote_for(env: dict) -> Zygote:
-    """The test process's zygote for daemons with environment ``env`` (started at first use)."""
-    key = frozenset(env.items())
-    z = _zygotes.get(key)
+    """The test process's zygote for daemons with environment ``env`` (started at first use;
+    the least recently used one ends when a third environment comes)."""
+    key = frozenset((k, v) for k, v in env.items() if k not in _IGNORED)
+    z = _zygotes.pop(key, None)
     if z is None or not z.alive():
-        z = _zygotes[key] = Zygote(env)
+        z = Zygote(env)
+    _zygotes[key] = z
+    while len(_zygotes) > _KEEP:
+        _zygotes.pop(next(iter(_zygotes))).close()
     return z
 
 
@@ -105,3 +112,4 @@ def zygote_for(env: dict) -> Zygote:
 def _close_zygotes() -> None:
     for z in _zygotes.values():
         z.close()
+    _zygotes.clear()
