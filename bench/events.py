@@ -2,35 +2,48 @@
 
 Two ``prefixd serve`` processes on fresh state (pools in ``/dev/shm``), the same but for
 ``[daemon.kv_events]``: one publishes (PUB + replay ROUTER on ``ipc://``, a subscriber reading
-every batch on a thread of this process), one does not. A round is one phase of each, off then
-publish, on fresh prompts, each phase followed by a pause (``SETTLE_S``): phases alternate
-(off, publish, off, ...), each after the other side's, so that the host's noise lands on both
-and a round's two phases share the host's state. A phase is 8 client processes
-(``prefixd.client``) doing gsp requests together: ``open`` of the prompt (a shared 512-token
-system prompt + a unique 64-token question), then ``release`` with commit at durability
-``crash``. Layout ``bench-events``: 1 layer x 1 KV head x head dim 8, fp16, block 16 (512-byte
-blocks, as ``bench/rpc.py``), tiers device / host / disk small enough that blocks are
-evicted and demoted (so every event kind flows). Prints one JSON object:
+every batch on a thread of this process), one does not. A round runs both AT ONCE, so that
+the host's noise lands on both alike: 8 client processes (``prefixd.client``) per daemon, the
+same prompts to each (client ``i`` of round ``r`` draws from seed ``(r, i)``), all 16 through
+one barrier after their warm-up, then each doing gsp requests for the same ``--seconds``:
+``open`` of the prompt (a shared 512-token system prompt + a unique 64-token question), then
+``release`` with commit at durability ``crash``. Which side's clients start first alternates
+by round; a pause (``SETTLE_S``) follows each round. Layout ``bench-events``: 1 layer x 1 KV
+head x head dim 8, fp16, block 16 (512-byte blocks, as ``bench/rpc.py``), tiers device / host
+/ disk small enough that blocks are evicted and demoted (so every event kind flows). Prints
+one JSON object:
 
-- ``off.per_request_us`` / ``publish.per_request_us``: the median over the rounds of a phase's
-  measured seconds over its requests (all 8 clients together), in microseconds (each round's
-  in ``per_request_us_by_round``; ``mean_per_request_us``: all seconds over all requests);
+- ``off.per_request_us`` / ``publish.per_request_us``: the median over the rounds of the
+  window's seconds over the requests its 8 clients completed in it (the request that straddles
+  the window's end counts by the fraction inside), in microseconds (each round's in
+  ``per_request_us_by_round``; ``mean_per_request_us``: all seconds over all requests);
   ``ratio`` = publish / off of those medians; ``ratio_by_round``: each round's publish / off,
-  and ``ratio_paired_median`` their median (a round's phases share the host's load, so this
-  one is the least disturbed by its drift);
-- ``*.daemon_cpu_us_per_request``: the daemon process's CPU (every thread) per request of a
-  phase, warm-up included (the median over the rounds); ``publish.loop_us_per_request``: the
-  loop's time in the publisher (``prefixd_kv_events_loop_seconds``) per request;
-  ``loop_share``: that over the daemon's CPU per request without publishing (the cost on the
-  hot path, free of the host's noise);
-- ``events_per_s``, ``batches_per_s``: what the subscriber received per second of the
-  publishing phases; ``dropped_batches``: what the daemon counted dropped (0 expected);
+  and ``ratio_paired_median`` their median;
+- ``*.daemon_cpu_us_per_request``: the daemon process's CPU (user + system, every thread, from
+  ``/proc/<pid>/stat``, read as the window starts and ends) over the requests of the window
+  (the median over the rounds); ``cpu_ratio`` = publish / off of those medians,
+  ``cpu_ratio_by_round`` and ``cpu_ratio_paired_median`` as above;
+  ``publish.loop_us_per_request``: the loop's time in the publisher
+  (``prefixd_kv_events_loop_seconds``) per request served, warm-up included; ``loop_share``:
+  that over the daemon's CPU per request without publishing;
+- ``events_per_s``, ``batches_per_s``: what the subscriber received inside the measured
+  windows over their seconds; ``dropped_batches``: what the daemon counted dropped (0 expected);
 - ``lag_p50_ms`` / ``lag_p99_ms``: from a commit's acknowledgment (``release`` returned in
   the client) to the subscriber's receipt of the ``BlockStored`` of that prompt's last full
   block (wall clock of one host; a batch that arrives before the reply counts 0, and
-  ``received_before_ack`` is the fraction that did).
+  ``received_before_ack`` is the fraction that did);
+- ``host``: CPUs, the 1-minute load average at the start and the end.
 
-Usage: ``python bench/events.py --json [--rounds N] [--requests N] [--out PATH]``.
+``--aa``: the second daemon does not publish either (the noise of the design itself: its
+ratios should sit at 1).
+
+NOTE: the two daemons run at the same moment because, one after the other, two identical
+daemons differed by ~11% on this 2-core shared host (load 7-14), four times the publisher's
+cost; at the same moment they share the host's noise, and with a window of equal seconds
+neither side runs alone at the end (a fixed count of requests would give the slower side the
+host to itself for its tail, pulling the ratio toward 1).
+
+Usage: ``python bench/events.py --json [--rounds N] [--seconds S] [--aa] [--out PATH]``.
 """
 
 from __future__ import annotations
@@ -57,10 +70,9 @@ from prefixd.tools.daemon_proc import DaemonProc  # noqa: E402
 
 BS = 16
 CLIENTS = 8
-# NOTE: a pause after every phase, so that the daemon's work behind it (write-behind to disk, a
-# checkpoint) does not run into the other side's phase: with the order swapped every round
-# (off-publish, publish-off) and no pause, the phase that followed its own side's ran slower,
-# and the rounds' publish / off alternated 0.4-0.85 / 1.2-1.44 (10 rounds, host load 8-11)
+SIDES = ("off", "publish")
+# NOTE: a pause after every round, so that the daemons' work behind it (write-behind to disk,
+# a checkpoint) ends before the next round's clients start
 SETTLE_S = 1.0
 SYSTEM, QUESTION = 512, 64
 LAYOUT = dict(model_id="bench-events", num_layers=1, num_kv_heads=1, head_dim=8,
@@ -88,9 +100,9 @@ replay_endpoint = "ipc://{base}/kvr"
 
 class Subscriber:
     """Reads every batch of ``endpoint`` on a thread, keeping ``(receipt time, seq, payload)``;
-    ``drain`` decodes what came (between phases: the router's work stays off the measured
+    ``drain`` decodes what came (between rounds: the router's work stays off the measured
     seconds, which share two cores with it), keeping the receipt time of each ``BlockStored``
-    on the GPU by its last block's token ids."""
+    on the GPU by its last block's token ids, and counting what came inside a window."""
 
     def __init__(self, endpoint: str) -> None:
         self.ctx = zmq.Context()
@@ -100,6 +112,7 @@ class Subscriber:
         self.sock.connect(endpoint)
         self.raw: list = []
         self.events = self.batches = 0
+        self.window_events = self.window_batches = 0
         self.seen: dict[bytes, float] = {}
         self.last_seq = None
         self.gaps = 0
@@ -114,7 +127,9 @@ class Subscriber:
                 _, seq_b, payload = sock.recv_multipart()
                 keep((clock(), seq_b, payload))
 
-    def drain(self) -> None:
+    def drain(self, window: tuple[float, float] = (0.0, 0.0)) -> None:
+        """Decodes what came; batches received in ``window`` (wall clock) count in
+        ``window_events`` / ``window_batches``."""
         raw, self.raw[:] = list(self.raw), []
         for now, seq_b, payload in raw:
             seq = int.from_bytes(seq_b, "big")
@@ -124,6 +139,9 @@ class Subscriber:
             _, events, _ = msgpack.unpackb(payload)
             self.batches += 1
             self.events += len(events)
+            if window[0] <= now <= window[1]:
+                self.window_batches += 1
+                self.window_events += len(events)
             for e in events:
                 if e["type"] == "BlockStored" and e["medium"] == "GPU" and e["token_ids"]:
                     key = np.asarray(e["token_ids"][-BS:], dtype="<i4").tobytes()
@@ -143,97 +161,128 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def worker(socket_path: str, prompts: list[bytes], warmup: int, barrier, results) -> None:
-    """A client: ``warmup`` requests, the barrier, then the rest; reports its window and, per
-    request, the last full block's tokens and the wall time its commit was acknowledged."""
+def worker(side: str, socket_path: str, seed: tuple[int, int], system: np.ndarray, warmup: int,
+           seconds: float, barrier, results) -> None:
+    """A client: ``warmup`` requests, the barrier (every client of both sides), then requests
+    for ``seconds``; reports its window's start, the requests completed in it (the last one by
+    the fraction inside), all requests served, and per request in the window the last full
+    block's tokens and the wall time its commit was acknowledged."""
     import prefixd.client as pc
 
+    rng = np.random.default_rng(seed)
+
+    def prompt() -> bytes:
+        return np.concatenate([system, rng.integers(0, 50000, QUESTION, dtype="<i4")]).tobytes()
+
+    full = (SYSTEM + QUESTION) // BS * BS * 4
     try:
         with pc.connect(socket_path, pc.KVLayout(**LAYOUT), name="bench-events") as s:
-            for p in prompts[:warmup]:
-                s.release(s.open(p), commit=True, durability="crash")
+            for _ in range(warmup):
+                s.release(s.open(prompt()), commit=True, durability="crash")
             barrier.wait()
-            acks = []
-            t0 = time.monotonic()
-            for p in prompts[warmup:]:
+            acks, done, served = [], 0.0, warmup
+            t0 = time.time()
+            end = t0 + seconds
+            while True:
+                p = prompt()
+                start = time.time()
                 s.release(s.open(p), commit=True, durability="crash")
-                full = len(p) // (4 * BS) * 4 * BS
-                acks.append((p[full - 4 * BS:full], time.time()))
-            t1 = time.monotonic()
-        results.put(("ok", t0, t1, acks))
+                now = time.time()
+                served += 1
+                if now > end:
+                    done += max(0.0, end - start) / (now - start)
+                    break
+                done += 1
+                acks.append((p[full - 4 * BS:full], now))
+        results.put(("ok", side, t0, done, served, acks))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         barrier.abort()
-        results.put(("error", repr(exc)))
+        results.put(("error", side, repr(exc)))
 
 
-def phase(ctx, socket_path: str, rng, requests: int, warmup: int, system: np.ndarray) -> dict:
-    barrier = ctx.Barrier(CLIENTS)
+def run_round(ctx, daemons: dict, first: str, seed: int, system: np.ndarray, warmup: int,
+              seconds: float) -> dict:
+    """One round: every daemon's ``CLIENTS`` clients at once (``daemons``: by side), ``first``'s
+    started first; then the pause. Returns per side its requests in the window, its daemon's
+    CPU seconds in the window (read here as the window starts and ends), its requests served
+    in the round and its publisher's loop seconds over the round, and the window (wall
+    clock)."""
+    barrier = ctx.Barrier(len(daemons) * CLIENTS + 1)  # and this process: it times the CPU
     results = ctx.Queue()
-    procs = []
-    for _ in range(CLIENTS):
-        prompts = [np.concatenate([system, rng.integers(0, 50000, QUESTION, dtype="<i4")])
-                   .astype("<i4").tobytes() for _ in range(warmup + requests)]
-        procs.append(ctx.Process(target=worker, args=(socket_path, prompts, warmup, barrier,
-                                                      results), daemon=True))
+    order = (first,) + tuple(s for s in daemons if s != first)
+    loop0 = {side: _loop_s(d) for side, d in daemons.items()}
+    procs = [ctx.Process(target=worker, args=(side, daemons[side].socket, (seed, i), system,
+                                              warmup, seconds, barrier, results), daemon=True)
+             for side in order for i in range(CLIENTS)]
     for p in procs:
         p.start()
+    cpu = {}
+    try:
+        barrier.wait()
+        cpu0 = {side: cpu_s(d.pid()) for side, d in daemons.items()}
+        time.sleep(seconds)
+        cpu = {side: cpu_s(d.pid()) - cpu0[side] for side, d in daemons.items()}
+    except threading.BrokenBarrierError:
+        pass  # a client failed: its error comes through the queue
     got = [results.get(timeout=600) for _ in procs]
     for p in procs:
         p.join(30)
-    errors = [g[1] for g in got if g[0] != "ok"]
+    errors = [g[2] for g in got if g[0] != "ok"]
     if errors:
         raise RuntimeError(f"a client failed: {errors}")
-    t0, t1 = min(g[1] for g in got), max(g[2] for g in got)
-    return {"seconds": t1 - t0, "requests": CLIENTS * requests, "warmup_share": warmup / requests,
-            "acks": [a for g in got for a in g[3]]}
+    time.sleep(SETTLE_S)  # the daemons' work behind the round ends before the next one
+    out = {"window": (min(g[2] for g in got), max(g[2] for g in got) + seconds),
+           "seconds": seconds, "first": first}
+    for side, d in daemons.items():
+        mine = [g for g in got if g[1] == side]
+        out[side] = {"requests": sum(g[3] for g in mine), "served": sum(g[4] for g in mine),
+                     "daemon_cpu_s": cpu[side], "loop_s": _loop_s(d) - loop0[side],
+                     "acks": [a for g in mine for a in g[5]]}
+    return out
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--rounds", type=int, default=8, help="rounds (a phase of each side)")
-    ap.add_argument("--requests", type=int, default=150, help="per client per phase")
-    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=10, help="rounds (both sides at once)")
+    ap.add_argument("--seconds", type=float, default=6.0, help="measured seconds per round")
+    ap.add_argument("--warmup", type=int, default=10, help="requests per client before the window")
+    ap.add_argument("--aa", action="store_true", help="the second daemon does not publish either")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     import multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["prefixd.client"])
-    rng = np.random.default_rng(0)
-    system = rng.integers(0, 50000, SYSTEM, dtype="<i4")
+    # this script too: each client then starts without importing numpy, zmq and msgpack again
+    ctx.set_forkserver_preload(["__main__", "prefixd.client"])
+    system = np.random.default_rng(0).integers(0, 50000, SYSTEM, dtype="<i4")
     shm = tempfile.mkdtemp(prefix="pd-bench-ev-", dir="/dev/shm")
+    load0 = os.getloadavg()[0]
     daemons = {}
     sub = None
     try:
-        for side in ("off", "publish"):
+        for side in SIDES:
             base = tempfile.mkdtemp(prefix="pdev-", dir="/tmp")
-            d = DaemonProc(base, config=CONFIG.format(shm="{shm}", kv=KV if side == "publish"
-                                                      else "").replace("{base}", base),
+            kv = KV if side == "publish" and not args.aa else ""
+            d = DaemonProc(base, config=CONFIG.format(shm="{shm}", kv=kv).replace("{base}", base),
                            shm_dir=os.path.join(shm, side))
             os.makedirs(d.shm_dir, exist_ok=True)
             d.start(120.0)
             daemons[side] = d
         sub = Subscriber(f"ipc://{daemons['publish'].base}/kv")
         time.sleep(0.5)  # the subscription reaches the publisher
-        runs = {"off": [], "publish": []}
-        lags = []
-        for _ in range(args.rounds):
-            for side in ("off", "publish"):
-                d = daemons[side]
-                cpu0, loop0 = cpu_s(d.pid()), _loop_s(d) if side == "publish" else 0.0
-                r = phase(ctx, d.socket, rng, args.requests, args.warmup, system)
-                r["daemon_cpu_s"] = cpu_s(d.pid()) - cpu0
-                runs[side].append(r)
-                time.sleep(SETTLE_S)  # the daemon's work behind the phase ends off the next one
-                if side == "publish":
-                    r["loop_s"] = _loop_s(d) - loop0
-                    sub.drain()
-                    for key, t_ack in r.pop("acks"):
-                        t_recv = sub.seen.get(key)
-                        if t_recv is not None:
-                            lags.append(t_recv - t_ack)
-        out = summary(runs, lags, sub, daemons["publish"])
+        rounds, lags = [], []
+        for r in range(args.rounds):
+            rd = run_round(ctx, daemons, SIDES[r % 2], r + 1, system, args.warmup, args.seconds)
+            sub.drain(rd["window"])
+            for key, t_ack in rd["publish"].pop("acks"):
+                t_recv = sub.seen.get(key)
+                if t_recv is not None:
+                    lags.append(t_recv - t_ack)
+            rd["off"].pop("acks")
+            rounds.append(rd)
+        out = summary(rounds, lags, sub, daemons["publish"], aa=args.aa)
+        out["host"]["load_1m_start"] = round(load0, 2)
     finally:
         if sub is not None:
             sub.close()
@@ -244,41 +293,53 @@ def main(argv=None) -> dict:
     text = json.dumps(out, indent=2)
     if args.out:
         pathlib.Path(args.out).write_text(text + "\n")
-    print(text if args.json else f"publish/off {out['ratio']} lag p99 {out['lag_p99_ms']} ms")
+    print(text if args.json else f"publish/off {out['ratio']} cpu {out['cpu_ratio']} "
+          f"lag p99 {out['lag_p99_ms']} ms")
     return out
 
 
-def summary(runs: dict, lags: list[float], sub: Subscriber, pub_daemon) -> dict:
-    def side(rs):
-        per = [r["seconds"] / r["requests"] * 1e6 for r in rs]
-        cpu = [r["daemon_cpu_s"] / (r["requests"] * (1 + r.get("warmup_share", 0))) * 1e6
-               for r in rs]
-        seconds, requests = sum(r["seconds"] for r in rs), sum(r["requests"] for r in rs)
+def _median_ratio(a: list[float], b: list[float]) -> tuple[list[float], float]:
+    by_round = [x / y for x, y in zip(a, b)]
+    return [round(x, 3) for x in by_round], round(statistics.median(by_round), 3)
+
+
+def summary(rounds: list[dict], lags: list[float], sub: Subscriber, pub_daemon,
+            aa: bool = False) -> dict:
+    """The JSON of a run (see the module's docstring) from ``run_round``'s results."""
+    def side(name):
+        rs = [rd[name] for rd in rounds]
+        per = [rd["seconds"] / rd[name]["requests"] * 1e6 for rd in rounds]
+        cpu = [r["daemon_cpu_s"] / r["requests"] * 1e6 for r in rs]
+        seconds, requests = sum(rd["seconds"] for rd in rounds), sum(r["requests"] for r in rs)
         return {"per_request_us": round(statistics.median(per), 1),
                 "mean_per_request_us": round(seconds / requests * 1e6, 1),
-                "rps": round(requests / seconds, 1), "requests": requests,
+                "rps": round(requests / seconds, 1), "requests": round(requests),
                 "daemon_cpu_us_per_request": round(statistics.median(cpu), 1),
-                "per_request_us_by_round": [round(x, 1) for x in per]}
+                "per_request_us_by_round": [round(x, 1) for x in per],
+                "daemon_cpu_us_per_request_by_round": [round(x, 1) for x in cpu]}
 
-    off, pub = side(runs["off"]), side(runs["publish"])
-    pub_requests = sum(r["requests"] * (1 + r.get("warmup_share", 0)) for r in runs["publish"])
-    pub["loop_us_per_request"] = round(sum(r["loop_s"] for r in runs["publish"]) / pub_requests
-                                       * 1e6, 1)
-    pub_seconds = sum(r["seconds"] for r in runs["publish"])
-    by_round = [p / o for p, o in zip(pub["per_request_us_by_round"],
-                                      off["per_request_us_by_round"])]
+    off, pub = side("off"), side("publish")
+    pub["loop_us_per_request"] = round(sum(rd["publish"]["loop_s"] for rd in rounds)
+                                       / sum(rd["publish"]["served"] for rd in rounds) * 1e6, 1)
+    by_round, paired = _median_ratio(pub["per_request_us_by_round"], off["per_request_us_by_round"])
+    cpu_by_round, cpu_paired = _median_ratio(pub["daemon_cpu_us_per_request_by_round"],
+                                             off["daemon_cpu_us_per_request_by_round"])
+    window_s = sum(rd["window"][1] - rd["window"][0] for rd in rounds)
     early = sum(x < 0 for x in lags) / len(lags) if lags else None
     lags = sorted(max(0.0, x) for x in lags)
     stats = _stats(pub_daemon)
     return {
+        "design": "simultaneous", "aa": aa,
         "off": off, "publish": pub,
         "ratio": round(pub["per_request_us"] / off["per_request_us"], 3),
-        "ratio_paired_median": round(statistics.median(by_round), 3),
-        "ratio_by_round": [round(x, 3) for x in by_round],
-        "rounds": len(by_round),
+        "ratio_paired_median": paired, "ratio_by_round": by_round,
+        "cpu_ratio": round(pub["daemon_cpu_us_per_request"] / off["daemon_cpu_us_per_request"], 3),
+        "cpu_ratio_paired_median": cpu_paired, "cpu_ratio_by_round": cpu_by_round,
+        "first_by_round": [rd["first"] for rd in rounds],
+        "rounds": len(rounds), "seconds_per_round": rounds[0]["seconds"] if rounds else None,
         "loop_share": round(pub["loop_us_per_request"] / off["daemon_cpu_us_per_request"], 4),
-        "events_per_s": round(sub.events / pub_seconds, 1),
-        "batches_per_s": round(sub.batches / pub_seconds, 1),
+        "events_per_s": round(sub.window_events / window_s, 1) if window_s else None,
+        "batches_per_s": round(sub.window_batches / window_s, 1) if window_s else None,
         "lag_p50_ms": round(lags[len(lags) // 2] * 1e3, 2) if lags else None,
         "lag_p99_ms": round(lags[min(len(lags) - 1, int(0.99 * len(lags)))] * 1e3, 2)
         if lags else None,

@@ -2,7 +2,7 @@
 workload against one publishing daemon run under cProfile, then the profile's rows for the
 publisher's modules and the engine listener beside the daemon's total.
 
-Usage: ``python bench/lab/events_profile.py [--phases N] [--requests N] [--out PATH]``.
+Usage: ``python bench/lab/events_profile.py [--phases N] [--seconds S] [--out PATH]``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ MODULES = ("kv_publisher", "kv_wire", "kv_lineage", "event_journal", "server.py"
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--phases", type=int, default=2)
-    ap.add_argument("--requests", type=int, default=150)
+    ap.add_argument("--seconds", type=float, default=4.0, help="measured seconds per phase")
     ap.add_argument("--off", action="store_true", help="profile a daemon that does not publish")
     ap.add_argument("--out", default="/tmp/events.prof")
     args = ap.parse_args()
@@ -41,8 +41,7 @@ def main() -> None:
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["prefixd.client"])
-    rng = np.random.default_rng(0)
-    system = rng.integers(0, 50000, events.SYSTEM, dtype="<i4")
+    system = np.random.default_rng(0).integers(0, 50000, events.SYSTEM, dtype="<i4")
     shm = tempfile.mkdtemp(prefix="pd-lab-ev-", dir="/dev/shm")
     base = tempfile.mkdtemp(prefix="pdev-", dir="/tmp")
     kv = "" if args.off else events.KV
@@ -55,10 +54,9 @@ def main() -> None:
         if not args.off:
             sub = events.Subscriber(f"ipc://{base}/kv")
             time.sleep(0.5)
-        for _ in range(args.phases):
-            r = events.phase(ctx, d.socket, rng, args.requests, 10,
-                             system)
-            print(f"phase: {r['seconds'] / r['requests'] * 1e6:.0f} us/request")
+        for n in range(args.phases):
+            r = events.run_round(ctx, {"publish": d}, "publish", n + 1, system, 10, args.seconds)
+            print(f"phase: {r['seconds'] / r['publish']['requests'] * 1e6:.0f} us/request")
             if sub is not None:
                 sub.drain()
     finally:

@@ -1,8 +1,8 @@
 """Where a daemon's CPU goes, by thread, under ``bench/events.py``'s workload: a publishing
-daemon and one that does not, one phase each in turn, then each thread's CPU seconds
+daemon and one that does not, at once (``events.run_round``), then each thread's CPU seconds
 (``/proc/<pid>/task``) per request, by thread name.
 
-Usage: ``python bench/lab/events_threads.py [--rounds N] [--requests N] [--aa]``; ``--aa``: the
+Usage: ``python bench/lab/events_threads.py [--rounds N] [--seconds S] [--aa]``; ``--aa``: the
 second daemon does not publish either (how far two equal daemons differ on this host).
 """
 
@@ -45,15 +45,14 @@ def threads_cpu(pid: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--requests", type=int, default=150)
+    ap.add_argument("--seconds", type=float, default=4.0, help="measured seconds per round")
     ap.add_argument("--aa", action="store_true", help="neither daemon publishes")
     args = ap.parse_args()
     import multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["prefixd.client"])
-    rng = np.random.default_rng(0)
-    system = rng.integers(0, 50000, events.SYSTEM, dtype="<i4")
+    system = np.random.default_rng(0).integers(0, 50000, events.SYSTEM, dtype="<i4")
     shm = tempfile.mkdtemp(prefix="pd-lab-th-", dir="/dev/shm")
     daemons, sub = {}, None
     try:
@@ -68,20 +67,19 @@ def main() -> None:
         sub = events.Subscriber(f"ipc://{daemons['publish'].base}/kv")  # idle under --aa
         time.sleep(0.5)
         spent = {side: collections.defaultdict(float) for side in daemons}
-        requests = 0
-        for _ in range(args.rounds):
+        served = {side: 0 for side in daemons}
+        for n in range(args.rounds):
+            before = {side: threads_cpu(d.pid()) for side, d in daemons.items()}
+            r = events.run_round(ctx, daemons, events.SIDES[n % 2], n + 1, system, 10,
+                                 args.seconds)
             for side, d in daemons.items():
-                before = threads_cpu(d.pid())
-                r = events.phase(ctx, d.socket, rng, args.requests, 10, system)
-                after = threads_cpu(d.pid())
-                for name, s in after.items():
-                    spent[side][name] += s - before.get(name, 0.0)
-                time.sleep(events.SETTLE_S)
-                sub.drain()
-            requests += r["requests"] * (1 + r["warmup_share"])
+                for name, s in threads_cpu(d.pid()).items():
+                    spent[side][name] += s - before[side].get(name, 0.0)
+                served[side] += r[side]["served"]
+            sub.drain()
         for side, by in spent.items():
             rows = sorted(by.items(), key=lambda kv: -kv[1])
-            print(side, " ".join(f"{n}={s / requests * 1e6:.0f}us" for n, s in rows if s > 0))
+            print(side, " ".join(f"{n}={s / served[side] * 1e6:.0f}us" for n, s in rows if s > 0))
     finally:
         if sub is not None:
             sub.close()
