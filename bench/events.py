@@ -242,14 +242,17 @@ def run_round(ctx, daemons: dict, first: str, seed: int, system: np.ndarray, war
 
 
 def main(argv=None) -> dict:
+    global CLIENTS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--rounds", type=int, default=10, help="rounds (both sides at once)")
     ap.add_argument("--seconds", type=float, default=6.0, help="measured seconds per round")
     ap.add_argument("--warmup", type=int, default=10, help="requests per client before the window")
     ap.add_argument("--aa", action="store_true", help="the second daemon does not publish either")
+    ap.add_argument("--clients", type=int, default=CLIENTS, help="clients per daemon")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    CLIENTS = args.clients  # run_round and the JSON read it
     import multiprocessing as mp
 
     ctx = mp.get_context("forkserver")

@@ -20,7 +20,7 @@ def _positive(value) -> bool:
 
 def test_events_bench_two_short_rounds_print_every_judged_key():
     proc = subprocess.run([sys.executable, BENCH, "--json", "--rounds", "2", "--seconds", "1",
-                           "--warmup", "2"], cwd=ROOT, capture_output=True, text=True,
+                           "--clients", "2", "--warmup", "2"], cwd=ROOT, capture_output=True, text=True,
                           timeout=540, env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout)
