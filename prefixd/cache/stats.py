@@ -22,6 +22,16 @@ class CacheStats:
         self.demoted_by_tier = [0, 0, 0]
         self.promoted_by_tier = [0, 0, 0]
 
+    def absorb(self, other: "CacheStats") -> None:
+        """Add ``other``'s counts to these (a pool opened again carries on its closed counts,
+        so the counters the daemon exports never go down)."""
+        for name in self.__slots__:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if isinstance(mine, list):
+                setattr(self, name, [a + b for a, b in zip(mine, theirs)])
+            else:
+                setattr(self, name, mine + theirs)
+
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.requested_tokens if self.requested_tokens else 0.0

@@ -128,6 +128,9 @@ def snapshot(core) -> list[Family]:
     if core.engine is not None:
         for (tenant, layout), dc in core.engine.pool_items():
             _pool(add, {"tenant": tenant, "model": layout.model_id}, dc, layout.block_size)
+        for (tenant, layout), st in core.engine.closed_stats.items():  # counters never go down
+            _pool_counters(add, {"tenant": tenant, "model": layout.model_id}, st,
+                           layout.block_size)
         _budgets(add, core.engine.budgets.snapshot())
     by_tenant: dict[str, int] = {t.name: 0 for t in core.engine_config.tenants}
     for session in core.sessions:
@@ -221,10 +224,8 @@ def _kv_events(add, core) -> None:
                 "BlockRemoved", m, p.removed[tier])
 
 
-def _pool(add, pool: dict, dc, block_size: int) -> None:
-    """The families of one pool (``pool``: its tenant and model labels)."""
-    cache = dc.cache
-    st = cache.stats
+def _pool_counters(add, pool: dict, st, block_size: int) -> None:
+    """The counter families of one pool's ``CacheStats`` (an open pool's or a closed one's)."""
     counters = (
         ("prefixd_requested_tokens", "tokens asked for by opens", st.requested_tokens),
         ("prefixd_hit_tokens", "tokens of opens found cached", st.hit_tokens),
@@ -238,14 +239,21 @@ def _pool(add, pool: dict, dc, block_size: int) -> None:
     )
     for name, help_, value in counters:
         add(name, "counter", help_, pool, value)
-    add("prefixd_hit_rate", "gauge", "hit tokens / requested tokens since the start", pool,
-        st.hit_rate)
-    add("prefixd_cow_blocks_per_token", "gauge", "blocks copied on write per requested token "
-        "since the start", pool, st.cow_blocks / st.requested_tokens if st.requested_tokens else 0.0)
     host, disk = st.hit_tokens_by_tier[1:]
     for tier, n in zip(TIERS, (st.hit_tokens - host - disk, host, disk)):
         add("prefixd_hit_tokens_by_tier", "counter", "hit tokens by the tier they were found in",
             pool | {"tier": tier}, n)
+
+
+def _pool(add, pool: dict, dc, block_size: int) -> None:
+    """The families of one pool (``pool``: its tenant and model labels)."""
+    cache = dc.cache
+    st = cache.stats
+    _pool_counters(add, pool, st, block_size)
+    add("prefixd_hit_rate", "gauge", "hit tokens / requested tokens since the start", pool,
+        st.hit_rate)
+    add("prefixd_cow_blocks_per_token", "gauge", "blocks copied on write per requested token "
+        "since the start", pool, st.cow_blocks / st.requested_tokens if st.requested_tokens else 0.0)
     tree = cache.tree
     for t, tier in enumerate(TIERS):
         alloc = cache.allocators[t]
@@ -352,14 +360,20 @@ def stats_document(core, tenant: str) -> dict:
     if core.engine is not None:
         items = [(layout, dc) for (pool_tenant, layout), dc in core.engine.pool_items()
                  if pool_tenant == tenant]
+        # a closed pool (empty, no session) keeps its counters, with no block
+        items += [(layout, st) for (pool_tenant, layout), st in core.engine.closed_stats.items()
+                  if pool_tenant == tenant]
         shared = {layout.model_id for layout, _ in items}
         shared = {m for m in shared if sum(1 for layout, _ in items if layout.model_id == m) > 1}
         for layout, dc in items:
+            closed = not hasattr(dc, "cache")
             entry = pools[pool_key(layout, layout.model_id in shared)] = {
-                "cache": dc.cache.stats.as_dict(), "blocks": list(dc.cache.tree.num_blocks_in),
+                "cache": (dc if closed else dc.cache.stats).as_dict(),
+                "blocks": [0, 0, 0] if closed else list(dc.cache.tree.num_blocks_in),
                 "layout": {"model_id": layout.model_id, "num_layers": layout.num_layers,
                            "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
-                           "dtype": layout.dtype, "block_size": layout.block_size}}
+                           "dtype": layout.dtype, "block_size": layout.block_size},
+                "closed": closed}
             if getattr(dc, "cluster", None) is not None:
                 entry["cluster"] = dc.cluster.stats()
     sessions = sum(1 for s in core.sessions if s.tenant == tenant)

@@ -124,6 +124,7 @@ class Engine:
         self._rooms: dict[tuple[str, KVLayout], PoolRoom] = {}
         self._log_rooms: dict[str, LogRoom] = {}  # by pool directory (``_open`` may run off-thread)
         self.closer = PoolCloser()  # empty pools no session uses are closed (``close_empty_pools``)
+        self.closed_stats: dict[tuple[str, KVLayout], object] = {}  # closed pools' CacheStats
         try:
             self.budgets = Budgets(self.config, self.state_dir,
                                    Machine.probe(self.state_dir, _gpu_total(self.config.use_cuda)))
@@ -196,6 +197,9 @@ class Engine:
             raise EngineError(f"a pool of tenant {tenant!r} and model {layout.model_id!r} "
                               f"exists already: make each pool once")
         self._pools[(tenant, layout)] = dc
+        closed = self.closed_stats.pop((tenant, layout), None)
+        if closed is not None:  # opened again: its counters carry on
+            dc.cache.stats.absorb(closed)
         self._join(dc, tenant, layout)
         self._listen(dc, tenant, layout)
         log.info("pool created tenant=%s model=%s path=%s", tenant, layout.model_id,
@@ -289,6 +293,7 @@ class Engine:
     def _forget(self, key, dc: DurableCache) -> None:
         """A closed pool leaves the engine: its charges back, its log's room punched."""
         del self._pools[key]
+        self.closed_stats[key] = dc.cache.stats  # exported until it opens again (``add_pool``)
         self._rooms.pop(key, None)
         self.budgets.fixed_device.pop(key, None)
         room = self._log_rooms.pop(dc.state_dir, None)

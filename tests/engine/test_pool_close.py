@@ -114,3 +114,19 @@ def test_a_close_that_fails_leaves_the_pool_open(tmp_path, monkeypatch, caplog):
         monkeypatch.undo()
         store(dc, 0)
         engine.check_invariants()
+
+
+def test_a_closed_pools_counters_are_kept_and_carried_on_when_it_opens_again(tmp_path):
+    """Exported counters never go down: a closed pool's ``CacheStats`` stay in
+    ``closed_stats`` (the metrics render them) and the reopened pool starts from them."""
+    with Engine(str(tmp_path / "state"), config(str(tmp_path / "shm"))) as engine:
+        dc = engine.pool("a", LAYOUT)
+        for i in range(3):
+            dc.release(dc.open(list(range(i, i + 41))).id)  # opens, nothing committed
+        engine.note_unused(*KEY)
+        assert engine.close_empty_pools(set()) == [KEY]
+        assert engine.closed_stats[KEY].opens == 3
+        dc = engine.pool("a", LAYOUT)
+        assert KEY not in engine.closed_stats and dc.cache.stats.opens == 3
+        dc.release(dc.open(list(range(41))).id)
+        assert dc.cache.stats.opens == 4 and dc.cache.stats.requested_tokens == 4 * 41
