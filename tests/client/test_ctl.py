@@ -178,7 +178,7 @@ def test_checkpoint_reports_the_pools_it_folded(daemon, capsys):
     code, out, err = run_ctl(capsys, "--socket", daemon.socket, "checkpoint")
     assert code == 0, err
     assert out == f"checkpointed {num_pools} pool{'' if num_pools == 1 else 's'}\n"
-    assert "checkpoint on request pools=" in daemon.log()
+    assert "checkpoint on request pools=" in daemon.log_text()
 
 
 # -- no daemon ------------------------------------------------------------------------------------

@@ -78,7 +78,7 @@ def test_attach_with_max_model_len_is_refused_by_a_real_daemon():
             assert s.lookup(list(range(8))) == 0
         with pc.connect(d.socket, LAYOUT, mapped=False):
             pass
-        assert d.log().count("pool too small to be useful") == 1
+        assert d.log_text().count("pool too small to be useful") == 1
 
 
 def test_a_device_budget_below_one_request_names_the_budget_key():

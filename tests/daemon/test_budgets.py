@@ -360,7 +360,7 @@ def test_a_disk_filled_by_another_file_keeps_commits_going_and_service_comes_bac
         values = dict(stub.Stats(pb.StatsRequest()).values)
         assert values["prefixd_filesystem_full"] == 1
         assert values['prefixd_no_space_refusals_total{tier="disk"}'] > 0
-        warnings = [line for line in d.log().splitlines()
+        warnings = [line for line in d.log_text().splitlines()
                     if line.startswith("WARNING") and "the filesystem is full" in line]
         assert len(warnings) == 1, warnings  # one WARNING, not one per refused grow
         for i in done[-40:]:  # 40 MiB: what the host tier holds while the disk takes nothing
@@ -373,11 +373,11 @@ def test_a_disk_filled_by_another_file_keeps_commits_going_and_service_comes_bac
             assert time.monotonic() < deadline, "the disk tier took no new block once space came back"
             store(stub, sid, prompt(i, 8, 16))
             i += 1
-        assert "DATA_LOSS" not in d.log()
+        assert "DATA_LOSS" not in d.log_text()
         deadline = time.monotonic() + 30
         while dict(stub.Stats(pb.StatsRequest()).values)["prefixd_filesystem_full"]:
             assert time.monotonic() < deadline, "the metric still says the filesystem is full"
             store(stub, sid, prompt(i, 8, 16))
             i += 1
-        assert "the filesystem has room again" in d.log()
+        assert "the filesystem has room again" in d.log_text()
         stub.Checkpoint(pb.CheckpointRequest())

@@ -62,7 +62,7 @@ daemon at once) still goes within a lease of the daemon running again."""
             while time.monotonic() < until:
                 assert status(d)[0] == live
                 time.sleep(0.1)
-            assert d.log().count("reason=lease expired") == 1, d.log()[-3000:]
+            assert d.log_text().count("reason=lease expired") == 1, d.log()[-3000:]
             for client, seq, sid in zip(clients, seqs, ids):
                 assert client.id == sid and client.lease_held, "the client had to attach again"
                 client.extend(seq, [1, 2, 3])  # DaemonRestarted if its sequence had been lost

@@ -345,7 +345,7 @@ def test_sigterm_finishes_in_flight_commits_checkpoints_exits_0_and_the_restart_
                 done.append(seq_id)
             except grpc.RpcError as exc:  # not accepted before the stop: refused, not broken
                 assert exc.code() is grpc.StatusCode.UNAVAILABLE, (exc.code(), exc.details())
-        assert "checkpoint at stop" in d.log() and "stopped status=0" in d.log()
+        assert "checkpoint at stop" in d.log_text() and "stopped status=0" in d.log_text()
         d.start()
         stub = d.stub()
         new = attach(stub)

@@ -125,7 +125,7 @@ def test_an_attach_whose_pool_takes_seconds_to_make_meets_its_deadline_and_leave
             assert patient.id
             expected = 2 + (short is not None)  # a timed-out Attach left no session behind
             assert sessions(d) == expected
-            assert d.log().count("session attached") == expected
+            assert d.log_text().count("session attached") == expected
         other.finish()
         during = other.within(began, began + made_s)
         worst = max(end - start for start, end in during)
@@ -247,7 +247,7 @@ def test_a_checkpoint_of_a_large_pool_lets_eight_clients_calls_through():
         print(f"\ncheckpoint of {indexed} blocks took {ended - began:.2f} s with {NUM_CLIENTS} "
               f"clients; {len(during)} of their calls began and ended inside it; loop lag over "
               f"the last 10 s p99 {p99 * 1e3:.1f} ms, max {worst * 1e3:.1f} ms")
-        print(*[line for line in d.log().splitlines() if "checkpoint taken" in line], sep="\n")
+        print(*[line for line in d.log_text().splitlines() if "checkpoint taken" in line], sep="\n")
         assert len(during) >= NUM_CLIENTS, "the clients' calls waited for the checkpoint"
         # loosely (the host's own load moves it by a tenth of a second): the strict figure,
         # p99 < 10 ms, is the benchmark's

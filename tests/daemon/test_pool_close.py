@@ -75,7 +75,7 @@ def test_an_empty_pool_is_closed_after_detach_and_reopened_by_the_next_attach():
         stub.Release(pb.ReleaseRequest(session_id=sid, seq_id=seq.seq_id))  # nothing committed
         stub.Detach(pb.DetachRequest(session_id=sid))
 
-        wait_for(lambda: "pool closed" in d.log())
+        wait_for(lambda: "pool closed" in d.log_text())
         paths = open_paths(d.proc.pid)
         assert not [p for p in paths if p.startswith(pool_dir + "/")], "still open or mapped"
         assert not [p for p in paths if os.path.basename(p) in new_shm], "shm still mapped"
@@ -99,7 +99,7 @@ def test_a_pool_with_cached_blocks_stays_open_after_detach():
         stub.Detach(pb.DetachRequest(session_id=sid))
         sid2 = attach(stub, layout("other"))  # its own pool; ticks go by meanwhile
         stub.Detach(pb.DetachRequest(session_id=sid2))
-        wait_for(lambda: "pool closed" in d.log())  # the empty one closes ...
+        wait_for(lambda: "pool closed" in d.log_text())  # the empty one closes ...
         assert [p.model_id for p in stub.Status(pb.StatusRequest()).pools] == ["kept"]  # ... not this
         kept = [p for p in pool_dirs(d) if os.path.basename(p).startswith("kept")][0]
         assert any(p.startswith(kept + "/") for p in open_paths(d.proc.pid))
@@ -119,11 +119,11 @@ def test_a_kill_right_after_a_close_loses_nothing_and_the_pool_reopens():
         sid = attach(stub, layout("closing"))
         store(stub, sid, prompt(100, 0, 4))  # one token: no full block, nothing cached
         stub.Detach(pb.DetachRequest(session_id=sid))
-        wait_for(lambda: "pool closed" in d.log())
+        wait_for(lambda: "pool closed" in d.log_text())
         d.kill()
         d.restart()
         stub = d.stub()
-        wait_for(lambda: d.log().count("pool closed") >= 2)  # found empty at start: closed again
+        wait_for(lambda: d.log_text().count("pool closed") >= 2)  # found empty at start: closed again
         keep = attach(stub, layout("durable"))
         for i in range(6):
             assert stub.Lookup(pb.LookupRequest(session_id=keep, tokens=prompt(i, 4, 4))).cached_tokens == 16

@@ -73,11 +73,11 @@ def _wait_log(d: DaemonProcess, needle: str, start: int, timeout: float = 30.0) 
     """The daemon's log from offset ``start`` once it contains ``needle``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        text = d.log()[start:]
+        text = d.log_text()[start:]
         if needle in text:
             return text
         time.sleep(0.05)
-    raise AssertionError(f"no {needle!r} in the daemon log:\n{d.log()[start:]}")
+    raise AssertionError(f"no {needle!r} in the daemon log:\n{d.log_text()[start:]}")
 
 
 def _open(stub, sid: int, first: int):
@@ -106,7 +106,7 @@ def test_a_live_setting_applies_with_a_log_line_and_reloading_ready(daemon):
     _open(stub, sid, 0)
     _open(stub, sid, 100)  # 4096 sequences allowed
     seen = len(d.listener.snapshot())
-    start = len(d.log())
+    start = len(d.log_text())
     _save(d, _render(d.base, seqs=2, engine_extra='write_policy = "write_back"'))
     text = _wait_log(d, "config reload: daemon.limits", start)
     assert "config reload (file changed)" in text
@@ -123,7 +123,7 @@ def test_a_live_setting_applies_with_a_log_line_and_reloading_ready(daemon):
 
 def test_a_socket_mode_change_applies_live(daemon):
     d = daemon
-    start = len(d.log())
+    start = len(d.log_text())
     _save(d, _render(d.base, seqs=2, mode="0600", engine_extra='write_policy = "write_back"'))
     _wait_log(d, "config reload: daemon.sockets", start)
     assert stat.S_IMODE(os.stat(d.socket).st_mode) == 0o600
@@ -132,7 +132,7 @@ def test_a_socket_mode_change_applies_live(daemon):
 def test_a_setting_that_needs_a_restart_is_refused_and_the_old_value_kept(daemon):
     """A pool made after the reload still gets the running device size (256, not 512)."""
     d = daemon
-    start = len(d.log())
+    start = len(d.log_text())
     _save(d, _render(d.base, seqs=2, mode="0600", device=512,
                      engine_extra='write_policy = "write_back"'))
     text = _wait_log(d, "need a restart", start)
@@ -156,19 +156,19 @@ def test_a_broken_file_is_refused_whole(daemon, broken):
     d = daemon
     # an operator's broken file is an ERROR by design: the reload they asked for did not happen
     d.expect_log(r"^ERROR prefixd\.daemon\.reload: config reload refused, nothing applied")
-    start = len(d.log())
+    start = len(d.log_text())
     _save(d, broken)
     text = _wait_log(d, "config reload refused, nothing applied", start)
     assert "daemon.log_level" not in text
-    assert "DEBUG" not in d.log()[start:]
+    assert "DEBUG" not in d.log_text()[start:]
 
 
 def test_sighup_reloads(daemon):
     d = daemon
     _save(d, _render(d.base, seqs=2, mode="0600", engine_extra='write_policy = "write_back"'))
-    _wait_log(d, "config reload", len(d.log()) - 1)
+    _wait_log(d, "config reload", len(d.log_text()) - 1)
     time.sleep(0.5)  # let the watch's reload of that save finish first
-    start = len(d.log())
+    start = len(d.log_text())
     os.kill(d.pid(), signal.SIGHUP)
     text = _wait_log(d, "config reload (SIGHUP)", start)
     text = _wait_log(d, "config reload: no change", start)
