@@ -241,6 +241,16 @@ def run_round(ctx, daemons: dict, first: str, seed: int, system: np.ndarray, war
     return out
 
 
+def close_all(sub, daemons: dict, shm: str) -> None:
+    """The end of a run: the subscriber (if any), every daemon stopped, the shm directory."""
+    if sub is not None:
+        sub.close()
+    for d in daemons.values():
+        d.stop(120.0)
+        d.close()
+    shutil.rmtree(shm, ignore_errors=True)
+
+
 def main(argv=None) -> dict:
     global CLIENTS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -287,12 +297,7 @@ def main(argv=None) -> dict:
         out = summary(rounds, lags, sub, daemons["publish"], aa=args.aa)
         out["host"]["load_1m_start"] = round(load0, 2)
     finally:
-        if sub is not None:
-            sub.close()
-        for d in daemons.values():
-            d.stop(120.0)
-            d.close()
-        shutil.rmtree(shm, ignore_errors=True)
+        close_all(sub, daemons, shm)
     text = json.dumps(out, indent=2)
     if args.out:
         pathlib.Path(args.out).write_text(text + "\n")

@@ -12,7 +12,6 @@ import argparse
 import collections
 import os
 import pathlib
-import shutil
 import sys
 import tempfile
 import time
@@ -81,12 +80,7 @@ def main() -> None:
             rows = sorted(by.items(), key=lambda kv: -kv[1])
             print(side, " ".join(f"{n}={s / served[side] * 1e6:.0f}us" for n, s in rows if s > 0))
     finally:
-        if sub is not None:
-            sub.close()
-        for d in daemons.values():
-            d.stop(120.0)
-            d.close()
-        shutil.rmtree(shm, ignore_errors=True)
+        events.close_all(sub, daemons, shm)
 
 
 if __name__ == "__main__":
