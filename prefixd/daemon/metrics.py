@@ -128,7 +128,7 @@ def snapshot(core) -> list[Family]:
     if core.engine is not None:
         for (tenant, layout), dc in core.engine.pool_items():
             _pool(add, {"tenant": tenant, "model": layout.model_id}, dc, layout.block_size)
-        for (tenant, layout), st in core.engine.closed_stats.items():  # counters never go down
+        for (tenant, layout), st in core.engine.closer.closed_stats.items():  # counters never go down
             _pool_counters(add, {"tenant": tenant, "model": layout.model_id}, st,
                            layout.block_size)
         _budgets(add, core.engine.budgets.snapshot())
@@ -361,7 +361,7 @@ def stats_document(core, tenant: str) -> dict:
         items = [(layout, dc) for (pool_tenant, layout), dc in core.engine.pool_items()
                  if pool_tenant == tenant]
         # a closed pool (empty, no session) keeps its counters, with no block
-        items += [(layout, st) for (pool_tenant, layout), st in core.engine.closed_stats.items()
+        items += [(layout, st) for (pool_tenant, layout), st in core.engine.closer.closed_stats.items()
                   if pool_tenant == tenant]
         shared = {layout.model_id for layout, _ in items}
         shared = {m for m in shared if sum(1 for layout, _ in items if layout.model_id == m) > 1}

@@ -350,3 +350,14 @@ class Budgets:
     def check_invariants(self) -> None:
         for ledger in self.ledgers.values():
             ledger.check_invariants()
+
+
+def gpu_total(use_cuda: bool | None) -> int | None:
+    """The GPU's memory when the device tier is on it (what a ``device`` percentage is of)."""
+    if use_cuda is False:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory

@@ -34,11 +34,11 @@ from typing import NamedTuple
 from prefixd.api.layout import KVLayout
 from prefixd.config.engine_settings import EngineConfig, Tenant
 from prefixd.config.budget_settings import Machine
-from prefixd.engine.budgets import Budgets
+from prefixd.engine.budgets import Budgets, gpu_total
 from prefixd.engine.durable import DurableCache
 from prefixd.engine.errors import EngineError, UnknownTenantError
 from prefixd.engine.log_room import LogRoom
-from prefixd.engine.pool_close import BUSY, CLOSED, PoolCloser
+from prefixd.engine.pool_close import PoolCloser
 from prefixd.engine.pool_dir import PoolDirectory
 from prefixd.engine.progress import RecoveryProgress
 from prefixd.engine.tier_lru import PoolRoom, SharedClock, TierLRU
@@ -123,12 +123,14 @@ class Engine:
         self.clock = SharedClock()
         self._rooms: dict[tuple[str, KVLayout], PoolRoom] = {}
         self._log_rooms: dict[str, LogRoom] = {}  # by pool directory (``_open`` may run off-thread)
-        self.closer = PoolCloser()  # empty pools no session uses are closed (``close_empty_pools``)
-        self.closed_stats: dict[tuple[str, KVLayout], object] = {}  # closed pools' CacheStats
         try:
             self.budgets = Budgets(self.config, self.state_dir,
-                                   Machine.probe(self.state_dir, _gpu_total(self.config.use_cuda)))
+                                   Machine.probe(self.state_dir, gpu_total(self.config.use_cuda)))
             self.tier_lru = TierLRU(self.budgets.ledgers, self._rooms.items)
+            # closes empty pools no session uses (``close_empty_pools``): a pool it closes leaves
+            # the maps it shares with the engine (pools, rooms, log rooms); it keeps its counters
+            self.closer = PoolCloser(self._pools, self._rooms, self._log_rooms, self.budgets,
+                                     self.tier_lru)
             for tenant, layout, sizes in self.directory.found(self.config):
                 self._pools[(tenant.name, layout)] = dc = self._open(tenant, layout, sizes)
                 self._join(dc, tenant.name, layout)
@@ -197,9 +199,7 @@ class Engine:
             raise EngineError(f"a pool of tenant {tenant!r} and model {layout.model_id!r} "
                               f"exists already: make each pool once")
         self._pools[(tenant, layout)] = dc
-        closed = self.closed_stats.pop((tenant, layout), None)
-        if closed is not None:  # opened again: its counters carry on
-            dc.cache.stats.absorb(closed)
+        self.closer.reopened((tenant, layout), dc)  # a closed pool's counters carry on
         self._join(dc, tenant, layout)
         self._listen(dc, tenant, layout)
         log.info("pool created tenant=%s model=%s path=%s", tenant, layout.model_id,
@@ -254,51 +254,10 @@ class Engine:
         self.closer.note((tenant, layout))
 
     def close_empty_pools(self, used, busy=None) -> list[tuple[str, KVLayout]]:
-        """Close every candidate pool (``prefixd.engine.pool_close``) that holds nothing and
-        that no session uses; returns the keys closed. Cheap when there is no candidate.
-
-        Args:
-            used: the keys ``(tenant, layout)`` of the pools sessions use now (never closed;
-                their last session's end names them again).
-            busy: ``busy(cache)``: True while something else works on the pool (a checkpoint
-                beside the loop); it is tried again at the next call.
-        """
+        """Close every candidate pool that holds nothing and that no session uses; returns the
+        keys closed (``PoolCloser.close_empty_pools``: ``used`` and ``busy`` there)."""
         self._check_open()
-        closer = self.closer
-        closer.candidates |= self.tier_lru.emptied
-        self.tier_lru.emptied.clear()
-        closed = []
-        for key in list(closer.candidates):
-            dc = self._pools.get(key)
-            if dc is None or key in used:
-                closer.candidates.discard(key)
-                continue
-            if busy is not None and busy(dc):
-                continue
-            try:
-                outcome = closer.close(dc)
-            except Exception as exc:  # noqa: BLE001 - the pool stays open, as it was
-                log.error("closing an empty pool failed tenant=%s model=%s error=%r", key[0],
-                          key[1].model_id, exc)
-                outcome = None
-            if outcome != BUSY or not closer.retry(key):
-                closer.candidates.discard(key)
-            if outcome == CLOSED:
-                self._forget(key, dc)
-                closed.append(key)
-                log.info("pool closed (no session, no cached block) tenant=%s model=%s path=%s",
-                         key[0], key[1].model_id, dc.state_dir)
-        return closed
-
-    def _forget(self, key, dc: DurableCache) -> None:
-        """A closed pool leaves the engine: its charges back, its log's room punched."""
-        del self._pools[key]
-        self.closed_stats[key] = dc.cache.stats  # exported until it opens again (``add_pool``)
-        self._rooms.pop(key, None)
-        self.budgets.fixed_device.pop(key, None)
-        room = self._log_rooms.pop(dc.state_dir, None)
-        if room is not None:
-            room.release(punch=True)
+        return self.closer.close_empty_pools(used, busy)
 
     # -- periodic work -----------------------------------------------------------------------------
 
@@ -360,6 +319,7 @@ class Engine:
             names.add(dc.store.name)
             dc.check_invariants()
         self.budgets.check_invariants()
+        self.closer.check_invariants()
 
     # -- internals ---------------------------------------------------------------------------------
 
@@ -394,14 +354,3 @@ class Engine:
             raise
         self._log_rooms[dc.state_dir] = room
         return dc
-
-
-def _gpu_total(use_cuda: bool | None) -> int | None:
-    """The GPU's memory when the device tier is on it (what a ``device`` percentage is of)."""
-    if use_cuda is False:
-        return None
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_properties(0).total_memory

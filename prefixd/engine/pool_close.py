@@ -4,8 +4,9 @@ A pool is *empty* when its index holds no block in any tier, and no sequence (li
 recovered and waiting for its client) holds a block. Nothing in it can be a hit, so keeping
 it open only costs: its mappings, fds, the log's environment and threads, its files' first
 extents and its log's room. The daemon closes an empty pool that no session uses (it knows
-the sessions: ``Engine.close_empty_pools``); the next Attach of its layout opens it again,
-through the ordinary recovery, which finds an empty index.
+the sessions: ``Engine.close_empty_pools``, which ``PoolCloser.close_empty_pools`` does); the
+next Attach of its layout opens it again, through the ordinary recovery, which finds an empty
+index, and its counters carry on from where they were (``closed_stats``, ``reopened``).
 
 Closing, in order (``close``):
 
@@ -55,15 +56,34 @@ def is_empty(dc) -> bool:
 
 
 class PoolCloser:
-    """The pools to try (``candidates``, keys of the engine's pools) and the count closed.
+    """The pools to try closing (``candidates``, keys ``(tenant, layout)`` of the engine's
+    pools), the count closed, and the counters of the pools closed (``closed_stats``).
+
+    Holds the engine's maps a closed pool leaves: ``pools`` (key -> ``DurableCache``),
+    ``rooms`` (key -> ``PoolRoom``), ``log_rooms`` (pool directory -> ``LogRoom``), the
+    ``Budgets`` (their ``fixed_device``) and the ``TierLRU`` (its ``emptied`` keys become
+    candidates).
+
+    NOTE: those maps are the engine's own dicts, shared, never rebound by either side: the
+    engine adds a pool to them as it opens one, and a close here takes it out of every one,
+    so closing stays in this one class.
+
+    Invariant: ``closed_stats`` names no open pool (``reopened`` takes a pool's counters back
+    when it opens again).
 
     Thread safety: the engine's thread only.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pools: dict, rooms: dict, log_rooms: dict, budgets, tier_lru) -> None:
         self.candidates: set = set()
         self.num_closed = 0
+        self.closed_stats: dict = {}  # key -> a closed pool's CacheStats (exported: never go down)
         self._tries: dict = {}  # key -> BUSY outcomes in a row
+        self._pools = pools
+        self._rooms = rooms
+        self._log_rooms = log_rooms
+        self._budgets = budgets
+        self._tier_lru = tier_lru
 
     def note(self, key) -> None:
         self.candidates.add(key)
@@ -78,6 +98,47 @@ class PoolCloser:
             return False
         self._tries[key] = n
         return True
+
+    def close_empty_pools(self, used, busy=None) -> list:
+        """Close every candidate pool that holds nothing and that no session uses; returns the
+        keys closed. Cheap when there is no candidate. See ``Engine.close_empty_pools``.
+
+        Args:
+            used: the keys ``(tenant, layout)`` of the pools sessions use now (never closed;
+                their last session's end names them again).
+            busy: ``busy(cache)``: True while something else works on the pool (a checkpoint
+                beside the loop); it is tried again at the next call.
+        """
+        self.candidates |= self._tier_lru.emptied
+        self._tier_lru.emptied.clear()
+        closed = []
+        for key in list(self.candidates):
+            dc = self._pools.get(key)
+            if dc is None or key in used:
+                self.candidates.discard(key)
+                continue
+            if busy is not None and busy(dc):
+                continue
+            try:
+                outcome = self.close(dc)
+            except Exception as exc:  # noqa: BLE001 - the pool stays open, as it was
+                log.error("closing an empty pool failed tenant=%s model=%s error=%r", key[0],
+                          key[1].model_id, exc)
+                outcome = None
+            if outcome != BUSY or not self.retry(key):
+                self.candidates.discard(key)
+            if outcome == CLOSED:
+                self._forget(key, dc)
+                closed.append(key)
+                log.info("pool closed (no session, no cached block) tenant=%s model=%s path=%s",
+                         key[0], key[1].model_id, dc.state_dir)
+        return closed
+
+    def reopened(self, key, dc) -> None:
+        """The pool ``key`` is open again as ``dc``: a closed pool's counters carry on in it."""
+        closed = self.closed_stats.pop(key, None)
+        if closed is not None:
+            dc.cache.stats.absorb(closed)
 
     def close(self, dc) -> str:
         """Close ``dc`` if it is empty (see the module docstring); returns ``CLOSED``,
@@ -110,6 +171,19 @@ class PoolCloser:
             _keep_header_only(disk)
         self.num_closed += 1
         return CLOSED
+
+    def check_invariants(self) -> None:
+        assert not self.closed_stats.keys() & self._pools.keys(), "an open pool in closed_stats"
+
+    def _forget(self, key, dc) -> None:
+        """A closed pool leaves the engine: its charges back, its log's room punched."""
+        del self._pools[key]
+        self.closed_stats[key] = dc.cache.stats  # exported until it opens again (``reopened``)
+        self._rooms.pop(key, None)
+        self._budgets.fixed_device.pop(key, None)
+        room = self._log_rooms.pop(dc.state_dir, None)
+        if room is not None:
+            room.release(punch=True)
 
 
 def _keep_header_only(path: str) -> None:

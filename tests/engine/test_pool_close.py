@@ -125,8 +125,8 @@ def test_a_closed_pools_counters_are_kept_and_carried_on_when_it_opens_again(tmp
             dc.release(dc.open(list(range(i, i + 41))).id)  # opens, nothing committed
         engine.note_unused(*KEY)
         assert engine.close_empty_pools(set()) == [KEY]
-        assert engine.closed_stats[KEY].opens == 3
+        assert engine.closer.closed_stats[KEY].opens == 3
         dc = engine.pool("a", LAYOUT)
-        assert KEY not in engine.closed_stats and dc.cache.stats.opens == 3
+        assert KEY not in engine.closer.closed_stats and dc.cache.stats.opens == 3
         dc.release(dc.open(list(range(41))).id)
         assert dc.cache.stats.opens == 4 and dc.cache.stats.requested_tokens == 4 * 41
