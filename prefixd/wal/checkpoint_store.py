@@ -14,6 +14,10 @@ Stored layout, per user key K (1..507 bytes) and value V::
 An empty V is one empty chunk. The fixed-width suffix makes the split unambiguous; chunks of one
 key come back in order (though another key may sort between them, so readers group by K).
 
+Written as a committer job (``CheckpointWriter.write``, queued by ``Wal.submit_checkpoint``), so
+it serializes with the groups. A full filesystem aborts the transaction before its meta page:
+``WalNoSpaceError``, the log as it was and not poisoned.
+
 NOTE: why chunk at all: LMDB stores a value larger than a page in *contiguous* overflow pages; a
 100 MB value needs a 25,600-page contiguous run, which the free list rarely has after a few
 checkpoints, so every checkpoint would grow the file. 1 MiB chunks reuse freed pages.
@@ -21,21 +25,76 @@ checkpoints, so every checkpoint would grow the file. 1 MiB chunks reuse freed p
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
 import struct
+from typing import TYPE_CHECKING
 
 import lmdb
 import xxhash
 
+from prefixd.crashpoints import crash_point
 from prefixd.wal.codec import pack_key, unpack_key
 from prefixd.wal.env import WalEnv
-from prefixd.wal.errors import WalCorruptError
+from prefixd.wal.errors import WalCorruptError, WalNoSpaceError
 from prefixd.wal.meta import K_CHECKPOINT, get_u64, put_u64
+
+if TYPE_CHECKING:
+    from prefixd.wal.group import GroupCommitter
+
+log = logging.getLogger(__name__)
 
 CHUNK_SIZE = 1 << 20
 _SUFFIX = struct.Struct(">I")
 _HASH = struct.Struct("<Q")
 MAX_USER_KEY = 511 - _SUFFIX.size  # LMDB's default max key size is 511 bytes
 _xxh3 = xxhash.xxh3_64_intdigest
+_NO_SPACE = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
+
+
+class CheckpointWriter:
+    """The checkpoint's job on the committer thread: one write transaction that replaces the
+    checkpoint and folds the log (``write_checkpoint``), then the fsync ``sync`` still owes, then
+    the count. ``Wal.submit_checkpoint`` checks the lsn and queues ``write`` behind every record
+    appended before it.
+
+    Thread safety: ``write`` runs on the committer thread only (queued, or inline there).
+    """
+
+    def __init__(self, wenv: WalEnv, committer: GroupCommitter, *, sync: str) -> None:
+        self._wenv = wenv
+        self._committer = committer
+        self._sync = sync
+
+    def write(self, lsn: int, index: dict, seqs: dict) -> int:
+        """Write the checkpoint of ``lsn`` (see ``Wal.submit_checkpoint``); returns ``lsn``.
+
+        Raises:
+            WalNoSpaceError: the filesystem is full (the log is as it was, not poisoned).
+            ValueError: bad keys or values, or ``lsn`` below the saved checkpoint lsn.
+            and whatever the environment raises (the committer then poisons the log).
+        """
+        wenv, committer = self._wenv, self._committer
+
+        def txn_fn(txn) -> int:
+            deleted = write_checkpoint(txn, wenv, lsn, index, seqs)
+            crash_point("wal_checkpoint_inside")
+            return deleted
+
+        try:
+            deleted = wenv.write(txn_fn)
+        except lmdb.Error as exc:
+            if not _no_space(exc, wenv.state_dir, index, seqs):
+                raise
+            # NOTE: the transaction was aborted before its meta page: the log is as it was,
+            # so it is not poisoned (every record is kept; the checkpoint is retried)
+            raise WalNoSpaceError(wenv.state_dir, exc) from exc
+        if self._sync == "interval":  # "commit": the env fsynced inside commit
+            committer.sync_now()
+        committer.count_checkpoint()
+        log.info("wal checkpoint path=%s lsn=%s folded=%s", wenv.state_dir, lsn, deleted)
+        return lsn
 
 
 def _chunk_rows(items: dict[bytes, bytes]) -> list[tuple[bytes, bytes]]:
@@ -155,3 +214,23 @@ def read_checkpoint(txn: lmdb.Transaction, wenv: WalEnv, join: bool = True) -> t
         else:
             maps.append(parts)
     return lsn, maps[0], maps[1]
+
+
+def _no_space(exc: BaseException, state_dir: str, index: dict, seqs: dict) -> bool:
+    """Whether a checkpoint's LMDB error is a full filesystem (py-lmdb keeps only the
+    ``strerror`` text): ENOSPC, EDQUOT, or EIO (LMDB's word for a write cut short) while the
+    filesystem has less free space than the checkpoint's values."""
+    text = str(exc)
+    if any(t in text for t in _NO_SPACE):
+        return True
+    if os.strerror(errno.EIO) not in text:
+        return False
+    need = 0
+    for value in (*index.values(), *seqs.values()):
+        need += sum(memoryview(c).nbytes for c in value) if isinstance(value, (list, tuple)) \
+            else memoryview(value).nbytes
+    try:
+        st = os.statvfs(state_dir)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < need

@@ -1,4 +1,5 @@
-"""Replay: the log after a given lsn, decoded and verified, in lsn order.
+"""Replay: the log after a given lsn, decoded and verified, in lsn order (and ``Prefetch``, the
+thread that reads the log's pages ahead of a replay).
 
 Guarantees (the package docstring states them for callers):
 
@@ -14,6 +15,7 @@ Guarantees (the package docstring states them for callers):
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from itertools import islice
@@ -27,6 +29,8 @@ from prefixd.wal.kinds import CODECS
 from prefixd.wal.env import WalEnv
 from prefixd.wal.errors import WalCorruptError
 from prefixd.wal.meta import K_CHECKPOINT, get_u64
+
+log = logging.getLogger(__name__)
 
 BATCH = 4096
 
@@ -185,6 +189,46 @@ def prefetch(wenv: WalEnv, after_lsn: int, step: int = 8, stop: threading.Event 
         return n
 
     return wenv.read(fn)
+
+
+class Prefetch:
+    """A helper thread that reads the log tail into the page cache while recovery loads the
+    checkpoint (``Wal.prefetch``); a hint only: replay reads and checks every record itself.
+
+    Invariant: its read transaction ends when the thread does, and ``stop()`` ends the thread
+    within one lookup (the loop checks the event before each), so no error path waits on it
+    for longer than ``STOP_TIMEOUT_S``; the thread is a daemon, so it never holds up the
+    interpreter's exit either.
+    """
+
+    STOP_TIMEOUT_S = 5.0
+
+    def __init__(self, wenv: WalEnv, after_lsn: int) -> None:
+        self._stop = threading.Event()
+        self.lookups = 0
+        self._thread = threading.Thread(target=self._run, args=(wenv, after_lsn),
+                                        name="prefixd-wal-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self, wenv: WalEnv, after_lsn: int) -> None:
+        try:
+            self.lookups = prefetch(wenv, after_lsn, stop=self._stop)
+        except Exception as exc:  # a hint only: replay reads (and checks) everything itself
+            log.debug("wal prefetch stopped: %r", exc)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait for the thread to end by itself, at most ``timeout_s``; returns whether it ended."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> bool:
+        """Ask the thread to end and wait for it, at most ``timeout_s``; returns whether it ended."""
+        self._stop.set()
+        return self.join(timeout_s)
 
 
 def last_lsn(wenv: WalEnv) -> int:

@@ -7,7 +7,7 @@ committer thread. Close order is the reverse.
 
 from __future__ import annotations
 
-import errno
+import functools
 import logging
 import os
 import threading
@@ -15,68 +15,27 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import TypeVar
 
-import lmdb
-
-from prefixd.crashpoints import crash_point
-from prefixd.wal.checkpoint_store import read_checkpoint, write_checkpoint
+from prefixd.wal.checkpoint_store import CheckpointWriter, read_checkpoint
 from prefixd.wal.codec import Record
 from prefixd.wal.env import DEFAULT_MAP_SIZE, MAX_MAP_SIZE, WalEnv, is_open_here
-from prefixd.wal.errors import EnvAlreadyOpenError, WalClosedError, WalFailedError, WalNoSpaceError
+from prefixd.wal.errors import EnvAlreadyOpenError, WalClosedError, WalFailedError
 from prefixd.wal.group import GroupCommitter, WalStats
 from prefixd.wal.lock import StateDirLock
 from prefixd.wal.meta import MetaInfo, open_meta
-from prefixd.wal.reader import last_lsn, prefetch, replay, replay_batches
+from prefixd.wal.reader import Prefetch, last_lsn, replay, replay_batches
 
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
 
-class Prefetch:
-    """A helper thread that reads the log tail into the page cache while recovery loads the
-    checkpoint (``Wal.prefetch``); a hint only: replay reads and checks every record itself.
-
-    Invariant: its read transaction ends when the thread does, and ``stop()`` ends the thread
-    within one lookup (the loop checks the event before each), so no error path waits on it
-    for longer than ``STOP_TIMEOUT_S``; the thread is a daemon, so it never holds up the
-    interpreter's exit either.
-    """
-
-    STOP_TIMEOUT_S = 5.0
-
-    def __init__(self, wenv: WalEnv, after_lsn: int) -> None:
-        self._stop = threading.Event()
-        self.lookups = 0
-        self._thread = threading.Thread(target=self._run, args=(wenv, after_lsn),
-                                        name="prefixd-wal-prefetch", daemon=True)
-        self._thread.start()
-
-    def _run(self, wenv: WalEnv, after_lsn: int) -> None:
-        try:
-            self.lookups = prefetch(wenv, after_lsn, stop=self._stop)
-        except Exception as exc:  # a hint only: replay reads (and checks) everything itself
-            log.debug("wal prefetch stopped: %r", exc)
-
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
-
-    def join(self, timeout_s: float) -> bool:
-        """Wait for the thread to end by itself, at most ``timeout_s``; returns whether it ended."""
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
-
-    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> bool:
-        """Ask the thread to end and wait for it, at most ``timeout_s``; returns whether it ended."""
-        self._stop.set()
-        return self.join(timeout_s)
-
-
 class Wal:
     """The write-ahead log of a state directory. See the ``prefixd.wal`` docstring for the format.
 
     Structure: ``StateDirLock`` (flock on ``<state_dir>/lock``) + ``WalEnv`` (LMDB under
-    ``<state_dir>/wal``) + ``MetaInfo`` of this open + ``GroupCommitter`` (the committer thread).
+    ``<state_dir>/wal``) + ``MetaInfo`` of this open + ``GroupCommitter`` (the committer thread)
+    + ``CheckpointWriter`` (a checkpoint's job on that thread) + the ``Prefetch`` threads of
+    recovery.
 
     Thread-safety: ``append``, ``flush``, ``commit_now``, ``checkpoint``, ``submit_checkpoint``,
     ``stats`` may be called from any thread of the opening process. ``replay`` and
@@ -129,6 +88,7 @@ class Wal:
                 self._wenv, sync=sync, next_lsn=last_lsn(self._wenv) + 1, interval_s=interval_ms / 1e3,
                 max_delay_s=max_delay_ms / 1e3, max_group_records=max_group_records,
             )
+            self._checkpoints = CheckpointWriter(self._wenv, self._committer, sync=sync)
         except BaseException:
             if self._wenv is not None:
                 self._wenv.close()
@@ -253,29 +213,8 @@ class Wal:
         next_lsn = self._committer.stats().next_lsn
         if not 0 <= lsn < next_lsn:
             raise ValueError(f"checkpoint lsn {lsn} is beyond the last appended lsn {next_lsn - 1}")
-        wenv, committer = self._env(), self._committer
-
-        def job() -> int:
-            def txn_fn(txn) -> int:
-                deleted = write_checkpoint(txn, wenv, lsn, index, seqs)
-                crash_point("wal_checkpoint_inside")
-                return deleted
-
-            try:
-                deleted = wenv.write(txn_fn)
-            except lmdb.Error as exc:
-                if not _no_space(exc, self.state_dir, index, seqs):
-                    raise
-                # NOTE: the transaction was aborted before its meta page: the log is as it was,
-                # so it is not poisoned (every record is kept; the checkpoint is retried)
-                raise WalNoSpaceError(self.state_dir, exc) from exc
-            if self.sync == "interval":  # "commit": the env fsynced inside commit
-                committer.sync_now()
-            committer.count_checkpoint()
-            log.info("wal checkpoint path=%s lsn=%s folded=%s", self.state_dir, lsn, deleted)
-            return lsn
-
-        return committer.submit(job)
+        self._env()  # WalClosedError once closed
+        return self._committer.submit(functools.partial(self._checkpoints.write, lsn, index, seqs))
 
     def checkpoint(self, lsn: int, index: dict[bytes, bytes], seqs: dict[bytes, bytes]) -> int:
         """``submit_checkpoint(...).result()``: block until the checkpoint is durable."""
@@ -392,25 +331,3 @@ class Wal:
             stats = self._committer.stats()
             assert stats.committed_lsn >= self.meta.checkpoint_lsn, "lsn counter behind the checkpoint"
 
-
-_NO_SPACE = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
-
-
-def _no_space(exc: BaseException, state_dir: str, index: dict, seqs: dict) -> bool:
-    """Whether a checkpoint's LMDB error is a full filesystem (py-lmdb keeps only the
-    ``strerror`` text): ENOSPC, EDQUOT, or EIO (LMDB's word for a write cut short) while the
-    filesystem has less free space than the checkpoint's values."""
-    text = str(exc)
-    if any(t in text for t in _NO_SPACE):
-        return True
-    if os.strerror(errno.EIO) not in text:
-        return False
-    need = 0
-    for value in (*index.values(), *seqs.values()):
-        need += sum(memoryview(c).nbytes for c in value) if isinstance(value, (list, tuple)) \
-            else memoryview(value).nbytes
-    try:
-        st = os.statvfs(state_dir)
-    except OSError:
-        return False
-    return st.f_bavail * st.f_frsize < need
