@@ -131,8 +131,11 @@ class PrefixCacheService(pb_grpc.PrefixCacheServicer):
         mine = [info.layout for info in engine.pools() if info.tenant == self.tenant]
         if layout in mine:
             return engine.pool(self.tenant, layout)
+        closed = engine.closed_pools(self.tenant)  # on disk still: each counts, and reopens
         if not offloop.is_making(self.tenant, layout):  # else its checks passed when it began
-            self.core.sessions.check_new_pool(self.tenant, len(mine) + offloop.making(self.tenant))
+            if layout not in closed:
+                self.core.sessions.check_new_pool(
+                    self.tenant, len(mine) + len(closed) + offloop.making(self.tenant))
             engine.make_room_for(self.tenant, layout)  # its first extents, from the coldest blocks
         try:
             pool = await offloop.pool(engine, self.tenant, layout, wait_s)

@@ -253,6 +253,11 @@ class Engine:
         at the next ``close_empty_pools``."""
         self.closer.note((tenant, layout))
 
+    def closed_pools(self, tenant: str) -> list[KVLayout]:
+        """The layouts of ``tenant``'s pools closed while empty: their files stay, the next
+        Attach with one reopens it, and each still counts as one of the tenant's pools."""
+        return [layout for t, layout in self.closer.closed_stats if t == tenant]
+
     def close_empty_pools(self, used, busy=None) -> list[tuple[str, KVLayout]]:
         """Close every candidate pool that holds nothing and that no session uses; returns the
         keys closed (``PoolCloser.close_empty_pools``: ``used`` and ``busy`` there)."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import time
 
+import grpc
+
 from prefixd.api import prefixd_pb2 as pb
 from tests.daemon.harness import start_daemon
 from tests.daemon.test_budgets import attach, config, layout, prompt, store, taken
@@ -130,3 +132,24 @@ def test_a_kill_right_after_a_close_loses_nothing_and_the_pool_reopens():
         sid = attach(stub, layout("closing"))
         store(stub, sid, prompt(7, 4, 4))
         assert stub.Lookup(pb.LookupRequest(session_id=sid, tokens=prompt(7, 4, 4))).cached_tokens == 16
+
+
+def test_a_pool_closed_while_empty_still_counts_toward_pools_per_tenant():
+    """A closed pool keeps its files and reopens at the next Attach of its layout, so it is
+    still one of the tenant's pools: with ``pools_per_tenant = 2``, one closed and one open
+    pool leave no room for a third layout, and the closed layout attaches again."""
+    with start_daemon(config() + "\n[daemon.limits]\npools_per_tenant = 2\n",
+                      lease_s=600.0) as d:
+        stub = d.stub()
+        stub.Detach(pb.DetachRequest(session_id=attach(stub, layout("first"))))
+        wait_for(lambda: "pool closed" in d.log_text())
+        stub.Detach(pb.DetachRequest(session_id=attach(stub, layout("second"))))
+        try:
+            attach(stub, layout("third"))
+            raise AssertionError("a third pool was made past pools_per_tenant = 2")
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.details()
+            assert "pools_per_tenant" in err.details()
+        sid = attach(stub, layout("first"))  # reopened, not a new pool
+        stub.Detach(pb.DetachRequest(session_id=sid))
+        assert len(pool_dirs(d)) == 2
