@@ -4,11 +4,11 @@ Two ``prefixd serve`` processes on fresh state (pools in ``/dev/shm``), the same
 ``[daemon.kv_events]``: one publishes (PUB + replay ROUTER on ``ipc://``, a subscriber reading
 every batch on a thread of this process), one does not. A round runs both AT ONCE, so that
 the host's noise lands on both alike: 8 client processes (``prefixd.client``) per daemon, the
-same prompts to each (client ``i`` of round ``r`` draws from seed ``(r, i)``), all 16 through
-one barrier after their warm-up, then each doing gsp requests for the same ``--seconds``:
-``open`` of the prompt (a shared 512-token system prompt + a unique 64-token question), then
-``release`` with commit at durability ``crash``. Which side's clients start first alternates
-by round; a pause (``SETTLE_S``) follows each round. Layout ``bench-events``: 1 layer x 1 KV
+same prompts to each (client ``i`` of either side draws from seed ``i``), connected and warmed
+up once; then, round after round, all 16 pass one barrier and each does gsp requests for the
+same ``--seconds``: ``open`` of the prompt (a shared 512-token system prompt + a unique
+64-token question), then ``release`` with commit at durability ``crash``. A pause
+(``SETTLE_S``) follows each round. Layout ``bench-events``: 1 layer x 1 KV
 head x head dim 8, fp16, block 16 (512-byte blocks, as ``bench/rpc.py``), tiers device / host
 / disk small enough that blocks are evicted and demoted (so every event kind flows). Prints
 one JSON object:
@@ -41,7 +41,10 @@ NOTE: the two daemons run at the same moment because, one after the other, two i
 daemons differed by ~11% on this 2-core shared host (load 7-14), four times the publisher's
 cost; at the same moment they share the host's noise, and with a window of equal seconds
 neither side runs alone at the end (a fixed count of requests would give the slower side the
-host to itself for its tail, pulling the ratio toward 1).
+host to itself for its tail, pulling the ratio toward 1). One round's ratio still swings by
++-15% (the scheduler's placement of ~20 runnable threads on 2 cores does not even out in a few
+seconds), so the clients live across rounds: a round costs its window and the pause, not 16
+processes connecting (25-45 s), and the medians rest on many rounds.
 
 Usage: ``python bench/events.py --json [--rounds N] [--seconds S] [--aa] [--out PATH]``.
 """
@@ -161,12 +164,14 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def worker(side: str, socket_path: str, seed: tuple[int, int], system: np.ndarray, warmup: int,
-           seconds: float, barrier, results) -> None:
-    """A client: ``warmup`` requests, the barrier (every client of both sides), then requests
-    for ``seconds``; reports its window's start, the requests completed in it (the last one by
-    the fraction inside), all requests served, and per request in the window the last full
-    block's tokens and the wall time its commit was acknowledged."""
+def worker(side: str, socket_path: str, seed: int, system: np.ndarray, warmup: int,
+           seconds: float, barrier, stop, results) -> None:
+    """A client: connects once, ``warmup`` requests, then window after window: the barrier
+    (every client of both sides and the parent), requests for ``seconds``, and a report of the
+    window's start, the requests completed in it (the last one by the fraction inside), the
+    requests served since the last report, and per request in the window the last full
+    block's tokens and the wall time its commit was acknowledged. Ends at the barrier after
+    ``stop`` is set."""
     import prefixd.client as pc
 
     rng = np.random.default_rng(seed)
@@ -177,68 +182,93 @@ def worker(side: str, socket_path: str, seed: tuple[int, int], system: np.ndarra
     full = (SYSTEM + QUESTION) // BS * BS * 4
     try:
         with pc.connect(socket_path, pc.KVLayout(**LAYOUT), name="bench-events") as s:
+            served = 0
             for _ in range(warmup):
                 s.release(s.open(prompt()), commit=True, durability="crash")
-            barrier.wait()
-            acks, done, served = [], 0.0, warmup
-            t0 = time.time()
-            end = t0 + seconds
-            while True:
-                p = prompt()
-                start = time.time()
-                s.release(s.open(p), commit=True, durability="crash")
-                now = time.time()
                 served += 1
-                if now > end:
-                    done += max(0.0, end - start) / (now - start)
+            while True:
+                barrier.wait()
+                if stop.is_set():
                     break
-                done += 1
-                acks.append((p[full - 4 * BS:full], now))
-        results.put(("ok", side, t0, done, served, acks))
+                acks, done = [], 0.0
+                t0 = time.time()
+                end = t0 + seconds
+                while True:
+                    p = prompt()
+                    start = time.time()
+                    s.release(s.open(p), commit=True, durability="crash")
+                    now = time.time()
+                    served += 1
+                    if now > end:
+                        done += max(0.0, end - start) / (now - start)
+                        break
+                    done += 1
+                    acks.append((p[full - 4 * BS:full], now))
+                results.put(("ok", side, t0, done, served, acks))
+                served = 0
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         barrier.abort()
         results.put(("error", side, repr(exc)))
 
 
-def run_round(ctx, daemons: dict, first: str, seed: int, system: np.ndarray, warmup: int,
-              seconds: float) -> dict:
-    """One round: every daemon's ``CLIENTS`` clients at once (``daemons``: by side), ``first``'s
-    started first; then the pause. Returns per side its requests in the window, its daemon's
-    CPU seconds in the window (read here as the window starts and ends), its requests served
-    in the round and its publisher's loop seconds over the round, and the window (wall
-    clock)."""
-    barrier = ctx.Barrier(len(daemons) * CLIENTS + 1)  # and this process: it times the CPU
-    results = ctx.Queue()
-    order = (first,) + tuple(s for s in daemons if s != first)
-    loop0 = {side: _loop_s(d) for side, d in daemons.items()}
-    procs = [ctx.Process(target=worker, args=(side, daemons[side].socket, (seed, i), system,
-                                              warmup, seconds, barrier, results), daemon=True)
-             for side in order for i in range(CLIENTS)]
-    for p in procs:
-        p.start()
-    cpu = {}
-    try:
-        barrier.wait()
-        cpu0 = {side: cpu_s(d.pid()) for side, d in daemons.items()}
-        time.sleep(seconds)
-        cpu = {side: cpu_s(d.pid()) - cpu0[side] for side, d in daemons.items()}
-    except threading.BrokenBarrierError:
-        pass  # a client failed: its error comes through the queue
-    got = [results.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join(30)
-    errors = [g[2] for g in got if g[0] != "ok"]
-    if errors:
-        raise RuntimeError(f"a client failed: {errors}")
-    time.sleep(SETTLE_S)  # the daemons' work behind the round ends before the next one
-    out = {"window": (min(g[2] for g in got), max(g[2] for g in got) + seconds),
-           "seconds": seconds, "first": first}
-    for side, d in daemons.items():
-        mine = [g for g in got if g[1] == side]
-        out[side] = {"requests": sum(g[3] for g in mine), "served": sum(g[4] for g in mine),
-                     "daemon_cpu_s": cpu[side], "loop_s": _loop_s(d) - loop0[side],
-                     "acks": [a for g in mine for a in g[5]]}
-    return out
+class Clients:
+    """``CLIENTS`` client processes per daemon (``daemons``: by side), started and warmed up
+    once, then measured round after round (``round``). Client ``i`` of every side draws its
+    prompts from seed ``i``, so each side is asked the same."""
+
+    def __init__(self, ctx, daemons: dict, system: np.ndarray, warmup: int,
+                 seconds: float) -> None:
+        self.daemons, self.seconds = daemons, seconds
+        self.barrier = ctx.Barrier(len(daemons) * CLIENTS + 1)  # and this process: it times the CPU
+        self.stop = ctx.Event()
+        self.results = ctx.Queue()
+        self.procs = [ctx.Process(target=worker, args=(side, d.socket, i, system, warmup, seconds,
+                                                       self.barrier, self.stop, self.results),
+                                  daemon=True)
+                      for side, d in daemons.items() for i in range(CLIENTS)]
+        for p in self.procs:
+            p.start()
+
+    def round(self) -> dict:
+        """One window of every client at once, then the pause. Returns per side its requests
+        in the window, its daemon's CPU seconds in the window (read here as the window starts
+        and ends), its requests served since the last round (the warm-up in the first) and
+        its publisher's loop seconds over them, and the window (wall clock)."""
+        daemons, seconds = self.daemons, self.seconds
+        loop0 = {side: _loop_s(d) for side, d in daemons.items()}
+        cpu = {}
+        try:
+            self.barrier.wait()
+            cpu0 = {side: cpu_s(d.pid()) for side, d in daemons.items()}
+            time.sleep(seconds)
+            cpu = {side: cpu_s(d.pid()) - cpu0[side] for side, d in daemons.items()}
+        except threading.BrokenBarrierError:
+            pass  # a client failed: its error comes through the queue
+        got = [self.results.get(timeout=600) for _ in self.procs]
+        errors = [g[2] for g in got if g[0] != "ok"]
+        if errors:
+            raise RuntimeError(f"a client failed: {errors}")
+        time.sleep(SETTLE_S)  # the daemons' work behind the round ends before the next one
+        out = {"window": (min(g[2] for g in got), max(g[2] for g in got) + seconds),
+               "seconds": seconds}
+        for side, d in daemons.items():
+            mine = [g for g in got if g[1] == side]
+            out[side] = {"requests": sum(g[3] for g in mine), "served": sum(g[4] for g in mine),
+                         "daemon_cpu_s": cpu[side], "loop_s": _loop_s(d) - loop0[side],
+                         "acks": [a for g in mine for a in g[5]]}
+        return out
+
+    def close(self) -> None:
+        """The clients leave (at the barrier, if none failed) and are joined."""
+        self.stop.set()
+        try:
+            self.barrier.wait(timeout=60)
+        except threading.BrokenBarrierError:
+            pass
+        for p in self.procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
 
 
 def close_all(sub, daemons: dict, shm: str) -> None:
@@ -255,14 +285,14 @@ def main(argv=None) -> dict:
     global CLIENTS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--rounds", type=int, default=10, help="rounds (both sides at once)")
-    ap.add_argument("--seconds", type=float, default=6.0, help="measured seconds per round")
+    ap.add_argument("--rounds", type=int, default=24, help="rounds (both sides at once)")
+    ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds per round")
     ap.add_argument("--warmup", type=int, default=10, help="requests per client before the window")
     ap.add_argument("--aa", action="store_true", help="the second daemon does not publish either")
     ap.add_argument("--clients", type=int, default=CLIENTS, help="clients per daemon")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    CLIENTS = args.clients  # run_round and the JSON read it
+    CLIENTS = args.clients  # Clients and the JSON read it
     import multiprocessing as mp
 
     ctx = mp.get_context("forkserver")
@@ -285,15 +315,19 @@ def main(argv=None) -> dict:
         sub = Subscriber(f"ipc://{daemons['publish'].base}/kv")
         time.sleep(0.5)  # the subscription reaches the publisher
         rounds, lags = [], []
-        for r in range(args.rounds):
-            rd = run_round(ctx, daemons, SIDES[r % 2], r + 1, system, args.warmup, args.seconds)
-            sub.drain(rd["window"])
-            for key, t_ack in rd["publish"].pop("acks"):
-                t_recv = sub.seen.get(key)
-                if t_recv is not None:
-                    lags.append(t_recv - t_ack)
-            rd["off"].pop("acks")
-            rounds.append(rd)
+        clients = Clients(ctx, daemons, system, args.warmup, args.seconds)
+        try:
+            for _ in range(args.rounds):
+                rd = clients.round()
+                sub.drain(rd["window"])  # while the clients wait for the next round
+                for key, t_ack in rd["publish"].pop("acks"):
+                    t_recv = sub.seen.get(key)
+                    if t_recv is not None:
+                        lags.append(t_recv - t_ack)
+                rd["off"].pop("acks")
+                rounds.append(rd)
+        finally:
+            clients.close()
         out = summary(rounds, lags, sub, daemons["publish"], aa=args.aa)
         out["host"]["load_1m_start"] = round(load0, 2)
     finally:
@@ -313,7 +347,7 @@ def _median_ratio(a: list[float], b: list[float]) -> tuple[list[float], float]:
 
 def summary(rounds: list[dict], lags: list[float], sub: Subscriber, pub_daemon,
             aa: bool = False) -> dict:
-    """The JSON of a run (see the module's docstring) from ``run_round``'s results."""
+    """The JSON of a run (see the module's docstring) from ``Clients.round``'s results."""
     def side(name):
         rs = [rd[name] for rd in rounds]
         per = [rd["seconds"] / rd[name]["requests"] * 1e6 for rd in rounds]
@@ -343,7 +377,6 @@ def summary(rounds: list[dict], lags: list[float], sub: Subscriber, pub_daemon,
         "ratio_paired_median": paired, "ratio_by_round": by_round,
         "cpu_ratio": round(pub["daemon_cpu_us_per_request"] / off["daemon_cpu_us_per_request"], 3),
         "cpu_ratio_paired_median": cpu_paired, "cpu_ratio_by_round": cpu_by_round,
-        "first_by_round": [rd["first"] for rd in rounds],
         "rounds": len(rounds), "seconds_per_round": rounds[0]["seconds"] if rounds else None,
         "loop_share": round(pub["loop_us_per_request"] / off["daemon_cpu_us_per_request"], 4),
         "events_per_s": round(sub.window_events / window_s, 1) if window_s else None,

@@ -54,11 +54,15 @@ def main() -> None:
         if not args.off:
             sub = events.Subscriber(f"ipc://{base}/kv")
             time.sleep(0.5)
-        for n in range(args.phases):
-            r = events.run_round(ctx, {"publish": d}, "publish", n + 1, system, 10, args.seconds)
-            print(f"phase: {r['seconds'] / r['publish']['requests'] * 1e6:.0f} us/request")
-            if sub is not None:
-                sub.drain()
+        clients = events.Clients(ctx, {"publish": d}, system, 10, args.seconds)
+        try:
+            for _ in range(args.phases):
+                r = clients.round()
+                print(f"phase: {r['seconds'] / r['publish']['requests'] * 1e6:.0f} us/request")
+                if sub is not None:
+                    sub.drain()
+        finally:
+            clients.close()
     finally:
         if sub is not None:
             sub.close()

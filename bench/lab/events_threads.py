@@ -1,5 +1,5 @@
 """Where a daemon's CPU goes, by thread, under ``bench/events.py``'s workload: a publishing
-daemon and one that does not, at once (``events.run_round``), then each thread's CPU seconds
+daemon and one that does not, at once (``events.Clients``), then each thread's CPU seconds
 (``/proc/<pid>/task``) per request, by thread name.
 
 Usage: ``python bench/lab/events_threads.py [--rounds N] [--seconds S] [--aa]``; ``--aa``: the
@@ -27,7 +27,10 @@ from prefixd.tools.daemon_proc import DaemonProc  # noqa: E402
 
 
 def threads_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds by thread name (threads of one name summed)."""
+    """CPU seconds by thread name (threads of one name summed; the loop's thread as
+    ``loop``), the whole process's (``process``, exited threads included), and the loop
+    thread's context switches (``loop_preempted``: involuntary, ``loop_blocked``: voluntary;
+    printed per request like the seconds, in millionths)."""
     out: dict[str, float] = collections.defaultdict(float)
     tick = os.sysconf("SC_CLK_TCK")
     for tid in os.listdir(f"/proc/{pid}/task"):
@@ -37,7 +40,16 @@ def threads_cpu(pid: int) -> dict[str, float]:
         except FileNotFoundError:
             continue
         fields = rest.split()
-        out[head.split("(", 1)[1]] += (int(fields[11]) + int(fields[12])) / tick
+        name = "loop" if tid == str(pid) else head.split("(", 1)[1]
+        out[name] += (int(fields[11]) + int(fields[12])) / tick
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    out["process"] = (int(fields[11]) + int(fields[12])) / tick
+    with open(f"/proc/{pid}/task/{pid}/status") as f:
+        for line in f:
+            if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                key, value = line.split(":")
+                out["loop_blocked" if key[0] == "v" else "loop_preempted"] = int(value)
     return out
 
 
@@ -67,15 +79,18 @@ def main() -> None:
         time.sleep(0.5)
         spent = {side: collections.defaultdict(float) for side in daemons}
         served = {side: 0 for side in daemons}
-        for n in range(args.rounds):
-            before = {side: threads_cpu(d.pid()) for side, d in daemons.items()}
-            r = events.run_round(ctx, daemons, events.SIDES[n % 2], n + 1, system, 10,
-                                 args.seconds)
-            for side, d in daemons.items():
-                for name, s in threads_cpu(d.pid()).items():
-                    spent[side][name] += s - before[side].get(name, 0.0)
-                served[side] += r[side]["served"]
-            sub.drain()
+        clients = events.Clients(ctx, daemons, system, 10, args.seconds)
+        try:
+            for _ in range(args.rounds):
+                before = {side: threads_cpu(d.pid()) for side, d in daemons.items()}
+                r = clients.round()
+                for side, d in daemons.items():
+                    for name, s in threads_cpu(d.pid()).items():
+                        spent[side][name] += s - before[side].get(name, 0.0)
+                    served[side] += r[side]["served"]
+                sub.drain()
+        finally:
+            clients.close()
         for side, by in spent.items():
             rows = sorted(by.items(), key=lambda kv: -kv[1])
             print(side, " ".join(f"{n}={s / served[side] * 1e6:.0f}us" for n, s in rows if s > 0))

@@ -25,43 +25,58 @@ from prefixd.daemon.kv_wire import END_SEQ, seq_bytes
 
 log = logging.getLogger(__name__)
 
-POLL_MS = 100  # how soon the thread sees ``stop``
-
 
 class ReplayServer:
     """Answers replay requests on every publisher's ROUTER socket (``publishers``: each has
     ``replay``, ``topic``, ``buffer``, ``tenant``) until ``stop``. Counts ``requests`` and
-    ``replayed`` (batches sent) per tenant."""
+    ``replayed`` (batches sent) per tenant.
 
-    def __init__(self, publishers) -> None:
+    NOTE: the thread sleeps in its poll until a request or ``stop`` comes (an inproc PAIR
+    socket wakes it), never on a timer: a thread that woke every tenth of a second would take
+    the GIL from the loop's thread ten times a second for nothing."""
+
+    def __init__(self, ctx, publishers) -> None:
+        self._ctx = ctx
         self._publishers = {id(p.replay): p for p in publishers}
         self._sockets = [p.replay for p in publishers]
         self.requests = {p.tenant: 0 for p in publishers}
         self.replayed = {p.tenant: 0 for p in publishers}
-        self._stopping = threading.Event()
+        self._wake = self._woken = None  # the PAIR ends: ``stop`` sends, the thread hears
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         if self._sockets and self._thread is None:
+            address = f"inproc://prefixd-kv-replay-{id(self)}"
+            self._woken = self._ctx.socket(zmq.PAIR)
+            self._woken.bind(address)
+            self._wake = self._ctx.socket(zmq.PAIR)
+            self._wake.connect(address)
             self._thread = threading.Thread(target=self._run, name="prefixd-kv-replay",
                                             daemon=True)
             self._thread.start()
 
     def stop(self) -> None:
-        self._stopping.set()
         if self._thread is not None:
+            self._wake.send(b"")
             self._thread.join()
             self._thread = None
+            self._wake.close(0)
+            self._woken.close(0)
 
     def _run(self) -> None:
         poller = zmq.Poller()
         for sock in self._sockets:
             poller.register(sock, zmq.POLLIN)
-        while not self._stopping.is_set():
+        poller.register(self._woken, zmq.POLLIN)
+        while True:
             try:
-                for sock, _ in poller.poll(POLL_MS):
+                for sock, _ in poller.poll():
+                    if sock is self._woken:
+                        return
                     while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                         self._answer(self._publishers[id(sock)], sock.recv_multipart())
+            except zmq.ContextTerminated:
+                return
             except Exception:  # noqa: BLE001 - the next request is still answered
                 log.exception("kv events replay failed")
 
