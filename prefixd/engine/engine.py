@@ -268,10 +268,19 @@ class Engine:
 
     def tick(self) -> None:
         """Every pool's periodic work (spill, expire unclaimed recovered sequences). Every pool
-        is ticked even if one fails; the first failure is raised after."""
+        is ticked even if one fails; the first failure is raised after. A pool whose last
+        recovered sequences expired here becomes a candidate to close: no session end names
+        it, since no session used it."""
         self._check_open()
+
+        def one(key, dc):
+            waiting = bool(dc.recovered)
+            dc.tick()
+            if waiting and not dc.recovered:
+                self.closer.note(key)
+
         try:
-            self._each(lambda dc: dc.tick())
+            self._each(one, with_key=True)
         finally:
             for dc in self._pools.values():  # the logs' room follows them as they grow
                 room = self._log_rooms.get(dc.state_dir)

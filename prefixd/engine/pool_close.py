@@ -25,9 +25,10 @@ A kill at any point leaves a pool that recovers as an empty one: the log says th
 empty before step 2 begins, and every later step only gives back what it does not name.
 
 When: candidates are pools whose last session ended, pools an eviction of another pool left
-with no block (``TierLRU.emptied``), and, once, every pool a start recovered; the daemon
-tries them on its tick (never per request). A candidate that is not empty yet is dropped
-(a later session end or eviction names it again); one whose log or disk writer is busy is
+with no block (``TierLRU.emptied``), every pool a start recovered (once), and every pool
+whose last recovered sequences the tick expired; the daemon tries them on its tick (never
+per request). A candidate that is not empty yet is dropped (a later session end, eviction
+or expiry names it again); one whose log or disk writer is busy is
 kept for the next tick, ``MAX_TRIES`` ticks at most.
 """
 

@@ -130,3 +130,22 @@ def test_a_closed_pools_counters_are_kept_and_carried_on_when_it_opens_again(tmp
         assert KEY not in engine.closer.closed_stats and dc.cache.stats.opens == 3
         dc.release(dc.open(list(range(41))).id)
         assert dc.cache.stats.opens == 4 and dc.cache.stats.requested_tokens == 4 * 41
+
+
+def test_a_pool_held_only_by_recovered_sequences_is_closed_once_they_expire(tmp_path):
+    """A start finds a sequence (nothing committed) waiting for its client: the pool is not
+    empty then; once the tick expires it unclaimed, the pool is a candidate again, though no
+    session used it, and closes."""
+    import dataclasses
+
+    state, shm = str(tmp_path / "state"), str(tmp_path / "shm")
+    cfg = dataclasses.replace(config(shm), reclaim_grace_s=0.0)
+    with Engine(state, cfg) as engine:
+        engine.pool("a", LAYOUT).open(list(range(41)), session_id=5)  # never released
+    with Engine(state, cfg) as engine:  # the grace is 0: the next tick expires it
+        dc = engine.pool("a", LAYOUT)
+        assert dc.recovered and engine.close_empty_pools(set()) == []
+        assert not engine.closer.candidates
+        engine.tick()
+        assert not dc.recovered
+        assert engine.close_empty_pools(set()) == [KEY] and engine.pools() == []
