@@ -19,7 +19,10 @@ Closing, in order (``close``):
    always started empty;
 5. the disk file keeps only its header page (the rest of its first extent punched: a reopen
    allocates it again before any slot in it is used), and the log's room is punched
-   (``LogRoom.release``).
+   (``LogRoom.release``);
+6. what the pool's directory still takes (manifest, header page, the log's pages: tens of
+   KiB) is charged to the tenant on the disk ledger (``leftovers``) until the pool opens
+   again: a tenant's closed pools are its bytes too.
 
 A kill at any point leaves a pool that recovers as an empty one: the log says the index is
 empty before step 2 begins, and every later step only gives back what it does not name.
@@ -39,7 +42,7 @@ import os
 
 from prefixd.api.tiers import Tier
 from prefixd.storage import falloc
-from prefixd.storage.errors import StorageError
+from prefixd.storage.errors import BudgetExceededError, StorageError
 from prefixd.storage.extents import EXTENT_BYTES
 from prefixd.storage.poolfile import DATA_OFFSET
 
@@ -79,6 +82,7 @@ class PoolCloser:
         self.candidates: set = set()
         self.num_closed = 0
         self.closed_stats: dict = {}  # key -> a closed pool's CacheStats (exported: never go down)
+        self.leftovers: dict = {}  # key -> disk bytes a closed pool's directory takes, charged
         self._tries: dict = {}  # key -> BUSY outcomes in a row
         self._pools = pools
         self._rooms = rooms
@@ -140,6 +144,9 @@ class PoolCloser:
         closed = self.closed_stats.pop(key, None)
         if closed is not None:
             dc.cache.stats.absorb(closed)
+        left = self.leftovers.pop(key, 0)
+        if left:
+            self._budgets.ledgers["disk"].release(key[0], left)
 
     def close(self, dc) -> str:
         """Close ``dc`` if it is empty (see the module docstring); returns ``CLOSED``,
@@ -175,6 +182,7 @@ class PoolCloser:
 
     def check_invariants(self) -> None:
         assert not self.closed_stats.keys() & self._pools.keys(), "an open pool in closed_stats"
+        assert not self.leftovers.keys() & self._pools.keys(), "an open pool in leftovers"
 
     def _forget(self, key, dc) -> None:
         """A closed pool leaves the engine: its charges back, its log's room punched."""
@@ -185,6 +193,34 @@ class PoolCloser:
         room = self._log_rooms.pop(dc.state_dir, None)
         if room is not None:
             room.release(punch=True)
+        self._charge_leftovers(key, dc.state_dir)
+
+    def _charge_leftovers(self, key, state_dir: str) -> None:
+        """Charge what the closed pool's directory still takes to its tenant (disk ledger;
+        none without a disk budget). It fits, since the close gave back more; if another
+        pool took that room meanwhile, the bytes stay uncharged and it is logged."""
+        if not self._budgets.budget.disk:
+            return
+        left = _bytes_under(state_dir)
+        try:
+            self._budgets.ledgers["disk"].charge(key[0], left)
+        except BudgetExceededError as exc:
+            log.info("a closed pool's files are not charged tenant=%s path=%s error=%s", key[0],
+                     state_dir, exc)
+            return
+        self.leftovers[key] = left
+
+
+def _bytes_under(path: str) -> int:
+    """Bytes the files under ``path`` take on disk (``st_blocks``)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:
+                continue
+    return total
 
 
 def _keep_header_only(path: str) -> None:

@@ -16,6 +16,10 @@ def shm_files(shm: str) -> set[str]:
     return set(os.listdir(shm))
 
 
+def disk_bytes(path: str) -> int:
+    return sum(os.stat(os.path.join(d, f)).st_blocks * 512 for d, _, fs in os.walk(path) for f in fs)
+
+
 def test_an_empty_pool_closes_gives_everything_back_and_opens_again(tmp_path):
     shm = str(tmp_path / "shm")
     with Engine(str(tmp_path / "state"), config(shm)) as engine:
@@ -23,12 +27,20 @@ def test_an_empty_pool_closes_gives_everything_back_and_opens_again(tmp_path):
         seq = dc.open(list(range(41)))
         dc.release(seq.id)  # nothing committed
         assert shm_files(shm) and all(ledger.used_bytes for ledger in engine.budgets.ledgers.values())
+        open_charge = engine.budgets.ledgers["disk"].used_by("a")
         engine.note_unused(*KEY)
         assert engine.close_empty_pools(set()) == [KEY]
         assert engine.pools() == [] and shm_files(shm) == set()
-        assert all(ledger.used_bytes == 0 for ledger in engine.budgets.ledgers.values())
+        ledgers = engine.budgets.ledgers
+        assert ledgers["device"].used_bytes == ledgers["host"].used_bytes == 0
+        # what the closed pool's directory still takes stays charged to its tenant
+        left = disk_bytes(engine.pool_path(*KEY))
+        assert 0 < left < 1 << 20 and ledgers["disk"].used_by("a") == left
+        assert engine.closer.leftovers == {KEY: left}
         assert engine.closer.num_closed == 1
         dc = engine.pool("a", LAYOUT)  # opened again (recovered: an empty index)
+        assert not engine.closer.leftovers
+        assert ledgers["disk"].used_by("a") == open_charge  # as first opened: no leftover kept
         store(dc, 0)
         assert dc.lookup(list(range(41))).cached_tokens == 40
         engine.check_invariants()
