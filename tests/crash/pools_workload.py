@@ -26,10 +26,10 @@ import sys
 import numpy as np
 
 from prefixd.api.layout import KVLayout
-from prefixd.api.tiers import Tier
-from prefixd.cache.node import DISK, HOST, path_to
+from prefixd.cache.node import path_to
 from prefixd.engine import Engine, EngineConfig, Tenant, TierSizes
 from tests.cache.helpers import StoreTokens
+from tests.crash.prefixd_workload import verify_index
 
 SHARED = 999  # first token of the prompts every pool draws from
 TENANTS = (Tenant("acme", "salt-acme"), Tenant("globex", "salt-globex"))
@@ -146,27 +146,12 @@ def check(state_dir: str, shm_dir: str, acks: list[str]) -> dict:
 
 
 def _verify_pool(dc, pool: int, nodes) -> int:
-    """Every indexed block of ``dc`` is one of its own prompts and holds its own bytes in every
-    host and disk slot it has."""
-    bs = dc.layout.block_size
-    n = 0
+    """Every indexed block of ``dc`` is one of its own prompts (or a shared one) and holds its
+    own pool's bytes in every host and disk slot it has; returns the blocks checked."""
     for node in nodes:
-        tokens = np.frombuffer(b"".join(p.tokens for p in path_to(node)), "<i4").tolist()
-        assert tokens[0] in (SHARED, 1000 + pool), \
-            f"pool {pool} holds a block of pool {tokens[0] - 1000}'s prompt"
-        values = PoolTokens.values(PoolTokens(None, bs, pool), tokens)[-node.num_blocks * bs:]
-        want = np.asarray(values, dtype=np.float32).reshape(node.num_blocks, 1, 1, bs, 1, 1)
-        for tier in (HOST, DISK):
-            slots = node.slots[tier]
-            if slots is None:
-                continue
-            if tier == DISK:
-                assert all(dc.store.verify(Tier.DISK, slots, node.checksums)), \
-                    f"pool {pool}: a disk block in the index fails its checksum"
-            got = dc.store.read(Tier(tier), slots).numpy()
-            assert (got == want).all(), f"pool {pool}: wrong bytes in tier {tier}"
-            n += node.num_blocks
-    return n
+        first = int(np.frombuffer(path_to(node)[0].tokens[:4], "<i4")[0])
+        assert first in (SHARED, 1000 + pool), f"pool {pool} holds a block of pool {first - 1000}'s prompt"
+    return verify_index(dc, PoolTokens(None, dc.layout.block_size, pool).values, f"pool {pool}")
 
 
 def main(argv=None) -> None:

@@ -16,7 +16,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tests.crash.powerfs_nodes import MODES, PAGE_SIZE, CutReport, DirNode, FileNode, PowerFSError
+from tests.crash.powerfs_file import FileNode
+from tests.crash.powerfs_nodes import MODES, PAGE_SIZE, CutReport, DirNode, PowerFSError
 
 if TYPE_CHECKING:
     from tests.crash.powerfs_model import PowerModel

@@ -2,20 +2,17 @@
 
 Data structure. A tree of `DirNode` / `FileNode` objects held in memory by the FS process.
 
-- Every file's *durable* bytes live in one store file, ``store/<ino>``, exactly ``durable_size``
-  long. Writes never touch it: they go to ``dirty``, a dict of whole 4 KiB pages (page index ->
-  4096 bytes), which is the volatile overlay. What a process reads is the overlay over the store:
-  a dirty page if there is one, else the store bytes below ``floor``, else zeros, clipped to
-  ``live_size``.
+- Every file's *durable* bytes live in one store file, ``store/<ino>``; its unsynced writes live
+  in an overlay of dirty 4 KiB pages. `powerfs_file.FileNode` owns both and states what a read
+  sees; this model resolves paths and handles to nodes, counts calls, and applies the rules
+  below.
 - Every directory has two entry maps: ``live`` (what `readdir` and path lookups see) and
   ``durable`` (what would be found after a power cut). Both map a name to a node object.
 
 Invariants (`check_invariants`):
 
-- ``floor <= min(durable_size, live_size)``: a truncate since the last sync hides the store
-  bytes past it; the store file itself is only cut at the next sync.
-- Every dirty page starts below ``live_size`` and its bytes past ``live_size`` are zero.
-- The store file is exactly ``durable_size`` bytes.
+- Every file's own invariants (`FileNode.check_invariants`): ``floor <= min(durable_size,
+  live_size)``, no dirty byte past ``live_size``, the store file exactly ``durable_size`` bytes.
 - A node's ``parent``/``name`` are its live link (``None`` once unlinked); ``durable_links``
   counts the durable maps that hold it.
 
@@ -57,20 +54,20 @@ import errno
 import os
 import shutil
 import stat
-import time
 from pathlib import Path
 
 from tests.crash.powerfs_cut import power_cut
+from tests.crash.powerfs_file import FileNode
 from tests.crash.powerfs_nodes import (  # noqa: F401 - re-exported for the harness
     MODES,
     PAGE_SIZE,
     CutReport,
     DirNode,
-    FileNode,
     FsError,
     Node,
     PowerFSError,
 )
+
 
 class PowerModel:
     """The tree, the open handles and the counters of one mounted PowerFS (see module doc)."""
@@ -198,7 +195,7 @@ class PowerModel:
             return self.open(path, flags)
         node = self._new_file(mode)
         node.uid, node.gid = uid, gid
-        self._link(parent, name, node)
+        parent.link(name, node)
         return self._handle(node, flags)
 
     def mkdir(self, path: str, mode: int, uid: int = 0, gid: int = 0) -> None:
@@ -206,19 +203,7 @@ class PowerModel:
         if name in parent.live:
             raise FsError(errno.EEXIST, path)
         node = DirNode(ino=self._new_ino(), mode=mode & 0o7777, uid=uid, gid=gid)
-        self._link(parent, name, node)
-
-    def _link(self, parent: DirNode, name: str, node: Node) -> None:
-        parent.live[name] = node
-        node.parent, node.name = parent, name
-        parent.mtime_ns = time.time_ns()
-
-    def _unlink_entry(self, parent: DirNode, name: str) -> Node:
-        node = parent.live.pop(name)
-        if node.parent is parent and node.name == name:
-            node.parent, node.name = None, ""
-        parent.mtime_ns = time.time_ns()
-        return node
+        parent.link(name, node)
 
     def unlink(self, path: str) -> None:
         parent, name = self._split(path)
@@ -228,7 +213,7 @@ class PowerModel:
         if isinstance(node, DirNode):
             raise FsError(errno.EISDIR, path)
         self.counters["unlink"] += 1
-        self._unlink_entry(parent, name)
+        parent.unlink(name)
 
     def rmdir(self, path: str) -> None:
         parent, name = self._split(path)
@@ -239,7 +224,7 @@ class PowerModel:
             raise FsError(errno.ENOTDIR, path)
         if node.live:
             raise FsError(errno.ENOTEMPTY, path)
-        self._unlink_entry(parent, name)
+        parent.unlink(name)
 
     def rename(self, old: str, new: str, flags: int = 0) -> None:
         """rename(2) with RENAME_NOREPLACE (1); RENAME_EXCHANGE and others are EINVAL."""
@@ -268,77 +253,32 @@ class PowerModel:
                     raise FsError(errno.ENOTEMPTY, new)
             elif isinstance(node, DirNode):
                 raise FsError(errno.ENOTDIR, new)
-            self._unlink_entry(dst_dir, dst_name)
+            dst_dir.unlink(dst_name)
         self.counters["rename"] += 1
-        self._unlink_entry(src_dir, src_name)
-        self._link(dst_dir, dst_name, node)
+        src_dir.unlink(src_name)
+        dst_dir.link(dst_name, node)
 
     # ---- data --------------------------------------------------------------------------
-
-    def _page(self, node: FileNode, idx: int) -> bytearray:
-        """The visible 4 KiB of page `idx` (not clipped to live_size: past it, bytes are 0)."""
-        page = node.dirty.get(idx)
-        if page is not None:
-            return bytearray(page)
-        start = idx * PAGE_SIZE
-        buf = bytearray(PAGE_SIZE)
-        if start < node.floor:
-            got = os.pread(node.fd, min(PAGE_SIZE, node.floor - start), start)
-            buf[: len(got)] = got
-        return buf
 
     def read(self, path: str | None, size: int, offset: int, fh: int | None) -> bytes:
         node = self._file(path, fh)
         self.counters["read"] += 1
-        end = min(offset + size, node.live_size)
-        if offset >= end:
-            return b""
-        buf = bytearray(end - offset)
-        if offset < node.floor:
-            got = os.pread(node.fd, min(end, node.floor) - offset, offset)
-            buf[: len(got)] = got
-        for idx in range(offset // PAGE_SIZE, (end - 1) // PAGE_SIZE + 1):
-            page = node.dirty.get(idx)
-            if page is None:
-                continue
-            lo, hi = max(idx * PAGE_SIZE, offset), min((idx + 1) * PAGE_SIZE, end)
-            buf[lo - offset : hi - offset] = page[lo - idx * PAGE_SIZE : hi - idx * PAGE_SIZE]
-        return bytes(buf)
+        return node.read(size, offset)
 
     def write(self, path: str | None, data: bytes, offset: int, fh: int | None) -> int:
         node = self._file(path, fh)
         self.counters["write"] += 1
-        end = offset + len(data)
-        view = memoryview(data)
-        first, last = offset // PAGE_SIZE, (end - 1) // PAGE_SIZE if data else -1
-        for idx in range(first, last + 1):
-            page = self._page(node, idx)
-            lo, hi = max(idx * PAGE_SIZE, offset), min((idx + 1) * PAGE_SIZE, end)
-            page[lo - idx * PAGE_SIZE : hi - idx * PAGE_SIZE] = view[lo - offset : hi - offset]
-            node.dirty[idx] = page
-        node.live_size = max(node.live_size, end)
-        node.mtime_ns = time.time_ns()
+        pages = node.write(data, offset)
         flags = self.handles[fh][1] if fh in self.handles else 0
         if flags & (os.O_SYNC | os.O_DSYNC):
             self.counters["write_sync"] += 1
-            self._sync_pages(node, range(first, last + 1))
+            self._sync_pages(node, pages)
         return len(data)
 
     def truncate(self, path: str | None, length: int, fh: int | None) -> None:
         node = self._file(path, fh)
         self.counters["truncate"] += 1
-        self._resize(node, length)
-
-    def _resize(self, node: FileNode, length: int) -> None:
-        if length < node.live_size:
-            for idx in [i for i in node.dirty if i * PAGE_SIZE >= length]:
-                del node.dirty[idx]
-            tail = node.dirty.get(length // PAGE_SIZE)
-            if tail is not None:
-                tail[length % PAGE_SIZE :] = bytes(PAGE_SIZE - length % PAGE_SIZE)
-            node.floor = min(node.floor, length)
-        node.live_size = length
-        node.mtime_ns = time.time_ns()
+        node.resize(length)
 
     def fallocate(self, path: str | None, mode: int, offset: int, length: int, fh: int | None) -> None:
         """Mode 0 extends the size (zeros read back); KEEP_SIZE (1) is a no-op; PUNCH_HOLE |
@@ -348,14 +288,9 @@ class PowerModel:
         self.counters["fallocate"] += 1
         if mode == 0:
             if offset + length > node.live_size:
-                self._resize(node, offset + length)
+                node.resize(offset + length)
         elif mode == 3:
-            end = min(offset + length, node.live_size)
-            for idx in range(offset // PAGE_SIZE, (end - 1) // PAGE_SIZE + 1 if end > offset else 0):
-                page = self._page(node, idx)
-                lo, hi = max(idx * PAGE_SIZE, offset), min((idx + 1) * PAGE_SIZE, end)
-                page[lo - idx * PAGE_SIZE : hi - idx * PAGE_SIZE] = bytes(hi - lo)
-                node.dirty[idx] = page
+            node.punch(offset, length)
         elif mode != 1:
             raise FsError(errno.EOPNOTSUPP, f"fallocate mode {mode:#x}")
 
@@ -366,13 +301,7 @@ class PowerModel:
         if node.floor < node.durable_size:
             self.fsync(None, 1, None, node=node)  # a pending truncate must land first
             return
-        for idx in pages:
-            page = node.dirty.pop(idx, None)
-            if page is not None:
-                start = idx * PAGE_SIZE
-                os.pwrite(node.fd, bytes(page[: max(0, min(PAGE_SIZE, node.live_size - start))]), start)
-        os.ftruncate(node.fd, node.live_size)
-        node.durable_size = node.floor = node.live_size
+        node.sync_pages(pages)
         self._make_reachable(node)
 
     def fsync(self, path: str | None, datasync: int, fh: int | None, *, node: Node | None = None) -> None:
@@ -383,14 +312,7 @@ class PowerModel:
             return
         assert isinstance(node, FileNode)
         self.counters["fdatasync" if datasync else "fsync"] += 1
-        if node.floor < node.durable_size:
-            os.ftruncate(node.fd, node.floor)
-        for idx in sorted(node.dirty):
-            start = idx * PAGE_SIZE
-            os.pwrite(node.fd, bytes(node.dirty[idx][: max(0, min(PAGE_SIZE, node.live_size - start))]), start)
-        os.ftruncate(node.fd, node.live_size)
-        node.dirty.clear()
-        node.durable_size = node.floor = node.live_size
+        node.sync()
         self._make_reachable(node)
 
     def fsyncdir(self, path: str | None, datasync: int, fh: int | None, *, node: Node | None = None) -> None:
@@ -399,11 +321,7 @@ class PowerModel:
         if not isinstance(node, DirNode):
             raise FsError(errno.ENOTDIR, str(path))
         self.counters["fsyncdir"] += 1
-        for child in node.durable.values():
-            child.durable_links -= 1
-        node.durable = dict(node.live)
-        for child in node.durable.values():
-            child.durable_links += 1
+        node.sync()
         self._make_reachable(node)
 
     def _make_reachable(self, node: Node) -> None:
@@ -441,7 +359,8 @@ class PowerModel:
     # ---- checks ------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Raise PowerFSError naming the first broken invariant (see the module doc)."""
+        """Raise PowerFSError naming the first broken invariant (see the module doc), the
+        tree's links first, then each file's bytes."""
         links: dict[int, int] = {}
         seen: dict[int, Node] = {}
 
@@ -463,14 +382,5 @@ class PowerModel:
             if node.durable_links != links.get(node.ino, 0):
                 raise PowerFSError(f"ino {node.ino}: durable_links {node.durable_links} "
                                    f"!= {links.get(node.ino, 0)}")
-            if not isinstance(node, FileNode) or node.fd < 0:
-                continue
-            if node.floor > min(node.durable_size, node.live_size):
-                raise PowerFSError(f"ino {node.ino}: floor {node.floor} above sizes "
-                                   f"{node.durable_size}/{node.live_size}")
-            if os.fstat(node.fd).st_size != node.durable_size:
-                raise PowerFSError(f"ino {node.ino}: store size != durable_size {node.durable_size}")
-            for idx, page in node.dirty.items():
-                start = idx * PAGE_SIZE
-                if start >= node.live_size or any(page[max(0, node.live_size - start):]):
-                    raise PowerFSError(f"ino {node.ino}: dirty page {idx} past size {node.live_size}")
+            if isinstance(node, FileNode):
+                node.check_invariants()

@@ -1,8 +1,9 @@
 """The nodes of the PowerFS model, its errors, and what a power cut reports.
 
-A `DirNode` holds two name -> node maps, ``live`` and ``durable``; a `FileNode` holds its durable
-bytes in a store file (``fd``, exactly ``durable_size`` long) and its unsynced writes in
-``dirty`` (whole 4 KiB pages). `powerfs_model` states the invariants and the durability rules.
+A `Node` has the fields every node has; a `DirNode` holds two name -> node maps, ``live`` and
+``durable``. Files are `powerfs_file.FileNode`, which also owns the file's bytes (a store file
+under an overlay of dirty pages). `powerfs_model` states the tree's invariants and the
+durability rules.
 """
 
 from __future__ import annotations
@@ -44,17 +45,32 @@ class Node:
 
 @dataclass(eq=False)
 class DirNode(Node):
+    """A directory: ``live`` is what lookups and readdir see, ``durable`` what a cut keeps."""
+
     live: dict[str, Node] = field(default_factory=dict)
     durable: dict[str, Node] = field(default_factory=dict)
 
+    def link(self, name: str, node: Node) -> None:
+        """Enter `node` under `name` in the live map; that entry becomes its live link."""
+        self.live[name] = node
+        node.parent, node.name = self, name
+        self.mtime_ns = time.time_ns()
 
-@dataclass(eq=False)
-class FileNode(Node):
-    fd: int = -1  # the store file, O_RDWR
-    durable_size: int = 0
-    live_size: int = 0
-    floor: int = 0
-    dirty: dict[int, bytearray] = field(default_factory=dict)
+    def unlink(self, name: str) -> Node:
+        """Drop `name` from the live map; the node loses its live link if it was this entry."""
+        node = self.live.pop(name)
+        if node.parent is self and node.name == name:
+            node.parent, node.name = None, ""
+        self.mtime_ns = time.time_ns()
+        return node
+
+    def sync(self) -> None:
+        """The whole live map becomes the durable map (each child's ``durable_links`` follow)."""
+        for child in self.durable.values():
+            child.durable_links -= 1
+        self.durable = dict(self.live)
+        for child in self.durable.values():
+            child.durable_links += 1
 
 
 @dataclass(frozen=True)

@@ -91,14 +91,7 @@ def run(args) -> None:
         dc.close()
         return
     for i in range(args.requests):
-        tokens = rng.choice(systems) + [rng.randrange(1000) for _ in range(rng.randint(1, 9))]
-        seq = dc.open(tokens)
-        pool.write(seq.block_table, tokens, seq.cached_tokens)
-        if rng.random() < 0.7:
-            more = [rng.randrange(1000) for _ in range(rng.randint(1, 6))]
-            dc.extend(seq.id, more)
-            tokens += more
-            pool.write(dc.sequence(seq.id).block_table, tokens, len(tokens) - len(more))
+        seq, tokens = _open_request(dc, pool, rng, systems, p_extend=0.7)
         if rng.random() < 0.15:
             kids = dc.fork(seq.id, 2)
             for kid in kids:
@@ -106,14 +99,13 @@ def run(args) -> None:
         if rng.random() < 0.1:
             dc.release(seq.id)  # abandoned: never acknowledged
             continue
-        full = len(tokens) // BS * BS
-        line = f"{args.durability} {np.asarray(tokens[:full], '<i4').tobytes().hex()}"
-        if args.plant == "ack-before-commit" and full:
+        line = ack_line(args.durability, tokens)
+        if args.plant == "ack-before-commit" and line:
             acks.ack(line)  # planted bug: acknowledged before anything is durable
             dc.commit(seq.id, "index").result()
         else:
             dc.commit(seq.id, args.durability).result()
-            if full:
+            if line:
                 acks.ack(line)
         dc.release(seq.id)
         if i % 50 == 49:
@@ -121,6 +113,29 @@ def run(args) -> None:
         if args.wide and i % WIDE_EVICT_EVERY == WIDE_EVICT_EVERY - 1:
             empty_memory_tiers(dc)
     dc.close()
+
+
+def _open_request(dc: DurableCache, pool: StoreTokens, rng: random.Random, systems: list[list[int]],
+                 p_extend: float):
+    """Open a random prompt (a system prefix and 1 to 9 tokens) and write its KV; with
+    probability ``p_extend``, extend it by 1 to 6 tokens and write theirs. Returns the sequence
+    and all its tokens."""
+    tokens = rng.choice(systems) + [rng.randrange(1000) for _ in range(rng.randint(1, 9))]
+    seq = dc.open(tokens)
+    pool.write(seq.block_table, tokens, seq.cached_tokens)
+    if rng.random() < p_extend:
+        more = [rng.randrange(1000) for _ in range(rng.randint(1, 6))]
+        dc.extend(seq.id, more)
+        tokens += more
+        pool.write(dc.sequence(seq.id).block_table, tokens, len(tokens) - len(more))
+    return seq, tokens
+
+
+def ack_line(durability: str, tokens: list[int]) -> str | None:
+    """The ACK_LOG line of a commit: its durability and its whole blocks' tokens as hex int32
+    (None when no block is whole: nothing to acknowledge)."""
+    full = len(tokens) // BS * BS
+    return f"{durability} {np.asarray(tokens[:full], '<i4').tobytes().hex()}" if full else None
 
 
 def run_concurrent(args, dc, pool, acks, rng, systems) -> None:
@@ -133,19 +148,11 @@ def run_concurrent(args, dc, pool, acks, rng, systems) -> None:
         nonlocal started
         while started < args.requests:
             started += 1
-            tokens = rng.choice(systems) + [rng.randrange(1000) for _ in range(rng.randint(1, 9))]
-            seq = dc.open(tokens)
-            pool.write(seq.block_table, tokens, seq.cached_tokens)
-            if rng.random() < 0.5:
-                more = [rng.randrange(1000) for _ in range(rng.randint(1, 6))]
-                dc.extend(seq.id, more)
-                tokens += more
-                pool.write(dc.sequence(seq.id).block_table, tokens, len(tokens) - len(more))
+            seq, tokens = _open_request(dc, pool, rng, systems, p_extend=0.5)
             if rng.random() < 0.1:
                 dc.release(seq.id)  # abandoned: never acknowledged
                 continue
-            full = len(tokens) // BS * BS
-            line = f"{args.durability} {np.asarray(tokens[:full], '<i4').tobytes().hex()}" if full else None
+            line = ack_line(args.durability, tokens)
             ticket = dc.commit(seq.id, args.durability)
             if args.plant == "ack-before-ticket" and line:
                 acks.ack(line)  # planted bug: acknowledged before the ticket resolved
@@ -203,25 +210,35 @@ def check(state_dir: str, shm_dir: str, acks: list[str], *, sync: str = "commit"
         dc.close()
 
 
-def verify_index(dc: DurableCache) -> int:
-    """Every block of the index, in every tier it is in, holds its prefix's bytes."""
+def verify_index(dc: DurableCache, values=StoreTokens.values, what: str = "the index") -> int:
+    """Every block of the index, in every tier it is in (host and disk; a disk block passes its
+    checksum too), holds its prefix's bytes: ``values(prefix tokens)``, one value per token, in
+    every layer, K and V, head and dim of its position (as `StoreTokens` writes them).
+
+    Args:
+        values: the values of a prompt's tokens (`StoreTokens.values`, or a pool's own).
+        what: names the cache in a failure (``pool 2``).
+
+    Returns:
+        The blocks checked (a block in two tiers counts twice).
+    """
     store = dc.store
+    bs = dc.layout.block_size
     n = 0
     for node in list(dc.cache.tree.nodes()):
         tokens = np.frombuffer(b"".join(p.tokens for p in path_to(node)), "<i4").tolist()
-        values = StoreTokens.values(tokens)[-node.num_blocks * BS:]
-        want = np.asarray(values, dtype=np.float32).reshape(node.num_blocks, BS)
+        want = np.asarray(values(tokens)[-node.num_blocks * bs:], dtype=np.float32)
+        want = want.reshape(node.num_blocks, 1, 1, bs, 1, 1)  # [n, layers, K/V, bs, heads, dims]
         for tier in (HOST, DISK):
             slots = node.slots[tier]
             if slots is None:
                 continue
             if tier == DISK:
                 ok = store.verify(Tier.DISK, slots, node.checksums)
-                assert all(ok), f"a disk block in the index fails its checksum: {ok}"
-            blocks = store.read(Tier(tier), slots).numpy()
-            got = blocks[:, 0, 0, :, 0, 0]  # K of layer 0, head 0, dim 0: [n, block_size]
-            assert (got == want).all(), f"wrong bytes in tier {tier} for a run of {node.num_blocks} blocks"
-            assert (blocks[:, 0, 1, :, 0, 1] == want).all()
+                assert all(ok), f"{what}: a disk block in the index fails its checksum: {ok}"
+            got = store.read(Tier(tier), slots).numpy()
+            assert (got == want).all(), \
+                f"{what}: wrong bytes in tier {tier} for a run of {node.num_blocks} blocks"
             n += node.num_blocks
         assert node.slots[DEVICE] is None or dc.cache.device is not None
     return n

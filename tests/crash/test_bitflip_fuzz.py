@@ -1,10 +1,11 @@
 """Bit-flip fuzz of a closed state directory: every damaged open ends promptly, typed, never wrong.
 
-One state directory is built (``tests.crash.test_corruption``'s prompts, the first three at
+One state directory is built (``tests.crash.corruption_harness``'s prompts, the first three at
 ``power`` then a checkpoint, the last two at ``crash``, shm pools kept as on the same boot, so
 the checkpoint, the log tail, the disk pool and the host pool all hold something). Each trial
 copies it, flips random bits in it (seeded, so a failing trial can be replayed), and recovers
-the copy in a forked child with a deadline. A trial passes when it ends in one of:
+the copy in a forked child with a deadline (``recovery_driver``). A trial passes when it ends in
+one of:
 
 - a clean open that serves no wrong byte: every prompt is opened and each block it reports
   cached holds exactly the bytes written (store reads of the device slots), invariants hold
@@ -35,10 +36,8 @@ import os
 import random
 import re
 import shutil
-import signal
-import subprocess
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -46,7 +45,8 @@ import pytest
 from prefixd.cache.errors import CacheError
 from prefixd.storage.errors import StorageError
 from prefixd.wal.errors import WalError
-from tests.crash.test_corruption import PROMPTS, REPO, BS, StoreTokens, _serve_all, open_cache
+from tests.crash.corruption_harness import PAGE, PROMPTS, commit_prompts, flip_bit, open_cache, serve_all
+from tests.crash.recovery_driver import recover_in_child, run_driver
 
 TRIAL_TIMEOUT_S = 30.0  # a recovery of this tiny state takes well under a second
 TYPED_ERRORS = (WalError, CacheError, StorageError)
@@ -54,7 +54,6 @@ TYPED = tuple(f"{k.__module__}.{k.__name__}" for k in TYPED_ERRORS)
 # what an error that says what to do contains (each typed error's advice, in one of its words)
 ADVICE = re.compile(r"restore|move .* (aside|away)|delete|put the file back|point the daemon|lower the|"
                     r"start with|start the prefixd|free space|grow the pool|restart", re.I)
-PAGE = 4096
 
 
 def build(root: Path) -> tuple[str, str]:
@@ -63,14 +62,9 @@ def build(root: Path) -> tuple[str, str]:
     shm.mkdir(parents=True)
     dc = open_cache(str(state), str(shm))
     try:
-        pool = StoreTokens(dc.store, BS)
-        for i, tokens in enumerate(PROMPTS):
-            seq = dc.open(tokens)
-            pool.write(seq.block_table, tokens, seq.cached_tokens)
-            dc.commit(seq.id, "power" if i < 3 else "crash").result()
-            dc.release(seq.id)
-            if i == 2:
-                dc.checkpoint()
+        commit_prompts(dc, PROMPTS[:3], "power")
+        dc.checkpoint()
+        commit_prompts(dc, PROMPTS[3:], "crash")
     finally:
         dc.close()
     return str(state), str(shm)
@@ -105,11 +99,7 @@ def damage(state: str, shm: str, seed: int) -> list[str]:
         size = os.path.getsize(path)
         offset = rng.randrange(min(size, PAGE) if where == "header" else size)
         bit = rng.randrange(8)
-        with open(path, "r+b") as f:
-            f.seek(offset)
-            byte = f.read(1)[0]
-            f.seek(offset)
-            f.write(bytes([byte ^ (1 << bit)]))
+        flip_bit(path, offset, 1 << bit)
         hits.append(f"{os.path.basename(path)}@{offset}^{bit}")
     return hits
 
@@ -125,13 +115,8 @@ def run_trials(base: tuple[str, str], root: Path, seeds: list[int]) -> dict[str,
         spec[str(seed)] = {"state": state, "shm": shm, "verify": "eager" if seed % 2 else "lazy", "hits": hits}
     spec_path = root / "spec.json"
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    env.pop("PREFIXD_CRASH", None)
-    out = subprocess.run([sys.executable, "-m", "tests.crash.test_bitflip_fuzz", "run", str(spec_path)],
-                         capture_output=True, text=True, cwd=REPO, env=env,
-                         timeout=120 + TRIAL_TIMEOUT_S * len(seeds))
-    assert out.returncode == 0, f"the fuzz driver failed rc={out.returncode}: {out.stderr[-2000:]}"
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = run_driver("tests.crash.test_bitflip_fuzz", ["run", str(spec_path)],
+                     timeout_s=120 + TRIAL_TIMEOUT_S * len(seeds))
     return {name: dict(got[name], hits=spec[name]["hits"], verify=spec[name]["verify"]) for name in spec}
 
 
@@ -196,7 +181,7 @@ def _recover_one(state: str, shm: str, verify: str) -> dict:
     try:
         if verify == "eager":  # every block left in the index holds its bytes, in every tier
             verify_index(dc)
-        served = _serve_all(dc)
+        served = serve_all(dc)
         dc.check_invariants()
     except TYPED_ERRORS as exc:
         # NOTE: LMDB meets a damaged page that nothing reads at recovery (its free list) only
@@ -215,43 +200,9 @@ def _recover_one(state: str, shm: str, verify: str) -> dict:
 def _run_main(spec_path: str) -> None:
     """Recover each trial in a forked child (a signal kills only it), with a deadline."""
     spec = json.loads(Path(spec_path).read_text())
-    results = {}
-    for name, trial in spec.items():
-        base = os.path.dirname(trial["state"])
-        out_path, err_path = os.path.join(base, "result.json"), os.path.join(base, "result.err")
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - runs in the forked child
-            code = 0
-            try:
-                fd = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                os.dup2(fd, 2)
-                result = _recover_one(trial["state"], trial["shm"], trial["verify"])
-                with open(out_path, "w") as f:
-                    json.dump(result, f)
-            except BaseException:  # noqa: BLE001 - reported as a death with its traceback
-                import traceback
-
-                traceback.print_exc()
-                code = 1
-            os._exit(code)
-        deadline = time.monotonic() + TRIAL_TIMEOUT_S
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                rc = os.waitstatus_to_exitcode(status)
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                rc = None
-                break
-            time.sleep(0.01)
-        if rc is None:
-            results[name] = {"hung": TRIAL_TIMEOUT_S}
-        elif rc == 0:
-            results[name] = json.loads(Path(out_path).read_text())
-        else:
-            results[name] = {"died": rc, "stderr": Path(err_path).read_text()[-1500:]}
+    results = {name: recover_in_child(partial(_recover_one, trial["state"], trial["shm"], trial["verify"]),
+                                      os.path.dirname(trial["state"]), TRIAL_TIMEOUT_S)
+               for name, trial in spec.items()}
     print(json.dumps(results))
 
 

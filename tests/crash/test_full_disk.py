@@ -21,7 +21,6 @@ import os
 import subprocess
 
 import lmdb
-import numpy as np
 import pytest
 
 from prefixd.engine.durable import DurableCache
@@ -32,7 +31,7 @@ from prefixd.storage.poolfile import free_bytes
 from prefixd.api.tiers import Tier
 from prefixd.wal import WalFailedError, WalNoSpaceError
 from tests.cache.helpers import StoreTokens
-from tests.crash.prefixd_workload import BS, LAYOUT, check, open_cache
+from tests.crash.prefixd_workload import BS, LAYOUT, ack_line, check, open_cache
 from tests.requires import missing
 
 SIZES = (24, 24, 4096)  # small enough for the 1-2 MiB tmpfs these tests mount
@@ -75,8 +74,7 @@ def _prompt(i: int, num_blocks: int = 10) -> list[int]:
 
 
 def _ack(tokens: list[int]) -> str:
-    full = len(tokens) // BS * BS
-    return f"power {np.asarray(tokens[:full], '<i4').tobytes().hex()}"
+    return ack_line("power", tokens)
 
 
 def _serve(dc: DurableCache, tokens: list[int]) -> None:
@@ -85,6 +83,16 @@ def _serve(dc: DurableCache, tokens: list[int]) -> None:
     StoreTokens(dc.store, BS).write(seq.block_table, tokens, seq.cached_tokens)
     dc.commit(seq.id, "power").result()
     dc.release(seq.id)
+
+
+def _open_with_acks(state: str, shm_dir: str) -> tuple[DurableCache, list[str]]:
+    """A cache on ``state`` with the first three prompts served; it and their acks."""
+    dc = open_cache(state, shm_dir, SIZES)
+    acks = []
+    for i in range(3):
+        _serve(dc, _prompt(i))
+        acks.append(_ack(_prompt(i)))
+    return dc, acks
 
 
 def _close_poisoned(dc: DurableCache) -> None:
@@ -238,11 +246,7 @@ def test_a_failed_wal_fsync_poisons_the_log_and_is_never_retried(tmp_path, shm_d
     committer retrying the failed group (a later fsync "succeeding" over pages the kernel
     dropped): the failure must poison the log for good, and a restart recovers the rest."""
     state = str(tmp_path / "state")
-    dc = open_cache(state, shm_dir, SIZES)
-    acks = []
-    for i in range(3):
-        _serve(dc, _prompt(i))
-        acks.append(_ack(_prompt(i)))
+    dc, acks = _open_with_acks(state, shm_dir)
     wenv = dc.wal._wenv
     real_write = wenv.write
     calls = {"failed": 0, "after": 0}
@@ -274,11 +278,7 @@ def test_a_failed_disk_pool_fdatasync_fails_the_commit_and_is_never_retried(tmp_
     after a retried fdatasync "succeeded" over pages the kernel dropped (fsyncgate): no later
     power commit may be acknowledged by that process, and a restart recovers every earlier one."""
     state = str(tmp_path / "state")
-    dc = open_cache(state, shm_dir, SIZES)
-    acks = []
-    for i in range(3):
-        _serve(dc, _prompt(i))
-        acks.append(_ack(_prompt(i)))
+    dc, acks = _open_with_acks(state, shm_dir)
     pool_fd = dc.store.pool(Tier.DISK).fd
     real_fdatasync = os.fdatasync
     calls = {"failed": 0, "after": 0}

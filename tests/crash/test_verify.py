@@ -1,7 +1,8 @@
-"""``prefixctl verify`` (``prefixd.tools.verify``) on the corruption table of the crash suite:
-every damage of ``test_corruption``'s DISK_TABLE and LMDB_TABLE, and a missing disk pool file,
-is found and named; a clean state directory passes. The same builder as that suite (a few
-prompts committed at ``power``, the shm pools deleted as after a reboot)."""
+"""``prefixctl verify`` (``prefixd.tools.verify``) on the corruption tables of the crash suite:
+every damage of ``test_corruption_disk``'s DISK_TABLE and ``test_corruption_lmdb``'s LMDB_TABLE,
+and a missing disk pool file, is found and named; a clean state directory passes. The same
+builder as those tables (``corruption_harness``: a few prompts committed at ``power``, the shm
+pools deleted as after a reboot)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import pytest
 
 from prefixd.config.engine_settings import EngineConfig, TierSizes
 from prefixd.tools.verify import EXIT_DAMAGED, verify
-from tests.crash.test_corruption import (DISK_TABLE, LMDB_TABLE, REPO, SIZES, build, open_cache)
+from tests.crash.corruption_harness import REPO, SIZES, build, open_cache
+from tests.crash.test_corruption_disk import DISK_TABLE
+from tests.crash.test_corruption_lmdb import LMDB_TABLE, build_damaged
 
 CONFIG = EngineConfig(blocks=TierSizes(*SIZES))
 
@@ -71,12 +74,7 @@ def test_verify_finds_every_disk_pool_damage(tmp_path, row):
 @pytest.mark.parametrize("row", LMDB_TABLE, ids=[r.name for r in LMDB_TABLE])
 def test_verify_finds_every_log_damage(tmp_path, row):
     """Guards against a damaged log or checkpoint passing verify."""
-    b = build(tmp_path)
-    if row.checkpoint:
-        dc = open_cache(b.state_dir, b.shm_dir)
-        dc.checkpoint()
-        dc.close()
-    row.damage(b)
+    b = build_damaged(tmp_path, row)
     problems = problems_of(b.state_dir)
     assert problems, f"verify found nothing after {row.name!r}"
     assert any(p.what in ("wal", "index") for p in problems), problems

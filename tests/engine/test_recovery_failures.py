@@ -22,6 +22,7 @@ from prefixd.engine import DurableCache
 from prefixd.engine.errors import TierLostError
 from prefixd.wal import WalCorruptError
 from tests.cache.helpers import StoreTokens, tiny_layout
+from tests.crash.corruption_harness import commit_prompts, flip_token_bits
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests" / "fixtures" / "wal-hang-data.mdb.gz"  # tests/fixtures/README.md
@@ -96,12 +97,7 @@ def _state(tmp_path, prompts, sizes=SIZES) -> tuple[str, str]:
     state, shm = str(tmp_path / "state"), str(tmp_path / "shm")
     os.makedirs(shm, exist_ok=True)
     dc = DurableCache(state, LAYOUT, sizes, shm_dir=shm)
-    pool = StoreTokens(dc.store, BS)
-    for tokens in prompts:
-        seq = dc.open(tokens)
-        pool.write(seq.block_table, tokens, seq.cached_tokens)
-        dc.commit(seq.id, "power").result()
-        dc.release(seq.id)
+    commit_prompts(dc, prompts)
     dc.close()
     return state, shm
 
@@ -109,15 +105,7 @@ def _state(tmp_path, prompts, sizes=SIZES) -> tuple[str, str]:
 def _damage_log(state: str, tokens: list[int]) -> None:
     """Flip a bit in every copy of ``tokens``' first two ids in ``data.mdb`` (the log record
     that carries them then fails its checksum; stale copies in freed pages are damaged too)."""
-    from tests.crash.test_corruption import _flip
-
-    path = os.path.join(state, "wal", "data.mdb")
-    data = Path(path).read_bytes()
-    pattern = b"".join(t.to_bytes(4, "little") for t in tokens[:2])
-    offsets = [i for i in range(len(data)) if data.startswith(pattern, i)]
-    assert offsets, "the committed tokens are not in data.mdb"
-    for off in offsets:
-        _flip(path, off + 1)
+    flip_token_bits(os.path.join(state, "wal", "data.mdb"), tokens)
 
 
 def test_a_recovery_refused_after_the_tiers_open_leaves_no_fd_or_thread_behind(tmp_path):
