@@ -26,9 +26,10 @@ import pytest
 
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.crashpoints import CRASH_EXIT_CODE
-from tests.daemon.gsp_load import BS, LineTail, digest, packed, pb_layout, read_kv
 from tests.daemon.forked import Forked, ForkedDaemon
+from tests.daemon.gsp_workload import BS, digest, packed, pb_layout, read_kv
 from tests.daemon.harness import ROOT, DaemonProcess
+from tests.daemon.json_lines import LineTail
 
 CLIENTS = 8
 # A client's pause between requests, at most (module docstring of gsp_load). NOTE: the checker
@@ -58,7 +59,8 @@ def config(disk: int = 32768) -> str:
 
 
 class PlantedDaemon(DaemonProcess):
-    """A daemon whose Commit replies before its ticket resolves (``gsp_load.serve_planted``)
+    """A daemon whose Commit replies before its ticket resolves (``tests.daemon.launcher
+    --ack-before-ticket``)
     while ``planted`` is set; a plain one after."""
 
     planted = True
@@ -66,11 +68,12 @@ class PlantedDaemon(DaemonProcess):
     def argv(self) -> list[str]:
         if not self.planted:
             return super().argv()
-        return [sys.executable, "-m", "tests.daemon.gsp_load", "serve-planted", *self.serve_args()]
+        return [sys.executable, "-m", "tests.daemon.launcher", "--ack-before-ticket",
+                *self.serve_args()]
 
 
 class Clients:
-    """``CLIENTS`` load processes (forked by one ``gsp_load load``) writing their acks and
+    """``CLIENTS`` load processes (forked by one ``gsp_load``) writing their acks and
     events under ``out``."""
 
     def __init__(self, socket: str, out: str, seed: int, think_s: float = THINK_S,
@@ -79,7 +82,7 @@ class Clients:
         env = dict(os.environ, PYTHONPATH=ROOT)
         env.pop("PREFIXD_CRASH", None)
         self.parent = subprocess.Popen(
-            [sys.executable, "-m", "tests.daemon.gsp_load", "load", socket, out, str(CLIENTS),
+            [sys.executable, "-m", "tests.daemon.gsp_load", socket, out, str(CLIENTS),
              str(seed), str(think_s), str(lib)], cwd=ROOT, env=env, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True)
         self._procs: list[Forked] = []
@@ -294,12 +297,12 @@ def crash_at_a_group(planted: bool, n: int) -> None:
 def test_the_daemon_kill_9_check_catches_a_commit_acknowledged_before_its_ticket(capsys):
     """Control for the suite above, with a planted bug.
 
-    The plant (``gsp_load.serve_planted``): the daemon's Commit replies as soon as the engine
-    has indexed the blocks, without awaiting the ticket that resolves when the WAL group holding
-    the commit is durable. The daemon runs with ``PREFIXD_CRASH=wal_before_commit:N``, so it
-    dies (``os._exit``) at its N-th group commit, before that group is written: the commits in
-    it were acknowledged by the planted daemon and are gone after the restart, and ``verify``
-    must say "acknowledged commit lost". The same crash without the plant must pass ``verify``
+    The plant (``tests.daemon.launcher --ack-before-ticket``): the daemon's Commit replies as
+    soon as the engine has indexed the blocks, without awaiting the ticket that resolves when
+    the WAL group holding the commit is durable. The daemon runs with
+    ``PREFIXD_CRASH=wal_before_commit:N``, so it dies (``os._exit``) at its N-th group commit,
+    before that group is written: the commits in it were acknowledged by the planted daemon and
+    are gone after the restart, and ``verify`` must say "acknowledged commit lost". The same crash without the plant must pass ``verify``
     (the honest daemon never acknowledged those commits). ``sync = "none"`` would not do as a
     plant: LMDB writes reach the page cache, which a kill -9 does not lose.
     """

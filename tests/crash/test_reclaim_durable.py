@@ -17,7 +17,7 @@ import pytest
 
 from prefixd.api import prefixd_pb2 as pb
 from tests.crash.test_daemon_kill9 import ForkedDaemon, config
-from tests.daemon.gsp_load import BS, digest, kv_of, packed, pb_layout, read_kv, systems, write_kv
+from tests.daemon.gsp_workload import BS, digest, kv_of, packed, pb_layout, read_kv, systems, write_kv
 
 ROUNDS = 3
 

@@ -33,7 +33,7 @@ from prefixd.api import prefixd_pb2_grpc as pb_grpc
 from prefixd.tools.daemon_proc import ROOT, DaemonProc, unexpected_lines
 
 __all__ = ["DEFAULT_CONFIG", "METRICS_CONFIG", "ROOT", "DaemonCheckFailed", "DaemonProcess",
-           "start_daemon"]
+           "start_daemon", "two_tenant_config"]
 
 DEFAULT_CONFIG = """
 [engine]
@@ -66,6 +66,40 @@ lease_s = {lease_s}
 [daemon.metrics]
 listen = "unix:{base}/m.sock"
 """
+
+
+def two_tenant_config(*, device: int, host: int, disk: int, tables: str = "") -> str:
+    """A config template (over ``shm``, ``base`` and ``lease_s``, as ``DaemonProcess`` takes it)
+    for a daemon with two tenants, ``alpha`` and ``beta``, each with a salt of its own: alpha
+    serves on ``base/run/s.sock`` (the first tenant's socket) and beta on ``beta.sock`` beside it,
+    unless ``tables`` says otherwise.
+
+    Args:
+        device, host, disk: the blocks of each tier (``[engine.blocks]``).
+        tables: more TOML after ``[daemon]``'s ``lease_s`` (``[daemon.*]`` tables, with the
+            same fields to fill in).
+    """
+    return f"""
+[engine]
+sync = "commit"
+shm_dir = "{{shm}}"
+
+[engine.blocks]
+device = {device}
+host = {host}
+disk = {disk}
+
+[[engine.tenants]]
+name = "alpha"
+salt = "salt-of-alpha"
+
+[[engine.tenants]]
+name = "beta"
+salt = "salt-of-beta"
+
+[daemon]
+lease_s = {{lease_s}}
+""" + tables
 
 
 class DaemonCheckFailed(AssertionError):

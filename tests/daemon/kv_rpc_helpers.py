@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import re
 
 import torch
 
@@ -92,3 +93,14 @@ def refusal(call) -> RpcFailure:
     except RpcFailure as failure:
         return failure
     raise AssertionError("the call was not refused")
+
+
+def assert_refused_unchanged(call, pool, table, code, words: str) -> None:
+    """``call()`` is refused with ``code`` and a message that ``words`` (a regex) finds, and
+    leaves every pool byte, the sequences and the index as they were (``state``)."""
+    before = state(pool)
+    failure = refusal(call)
+    assert failure.code is code, failure
+    assert re.search(words, failure.message), failure.message
+    assert_same_state(before, state(pool))
+    table.check_invariants()

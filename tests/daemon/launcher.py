@@ -2,7 +2,7 @@
 daemon's own ``main`` (nothing of it lives in the product).
 
     python -m tests.daemon.launcher [--watchdog-stall PATH] [--background-error]
-                                    [--exit-status N] serve --config ...
+                                    [--exit-status N] [--ack-before-ticket] serve --config ...
 
 - ``--watchdog-stall PATH``: the watchdog's ``probe`` blocks the event loop while ``PATH``
   exists, as a hung engine call would, with ``PATH.stalled`` present while it blocks
@@ -10,6 +10,8 @@ daemon's own ``main`` (nothing of it lives in the product).
 - ``--background-error``: once serving, a callback on the loop raises, as a bug in a
   background task would; asyncio logs it at ERROR (the harness's own check must catch it).
 - ``--exit-status N``: the daemon stops cleanly but its stop returns ``N`` (the exit status).
+- ``--ack-before-ticket``: Commit replies before its ticket resolves, the planted bug the
+  kill -9 suite must catch (tests/crash/test_daemon_kill9.py).
 """
 
 from __future__ import annotations
@@ -65,11 +67,25 @@ def install_exit_status(status: int) -> None:
     server.Daemon._shutdown = shutdown_with_status
 
 
+def install_ack_before_ticket() -> None:
+    from prefixd.api import prefixd_pb2 as pb
+    from prefixd.daemon import service
+
+    async def Commit(self, request, context):  # noqa: N802 - the rpc's name
+        session = self._session(request.session_id)
+        session.owns(request.seq_id)
+        session.pool.commit(request.seq_id, request.durability or "crash")  # ticket not awaited
+        return pb.CommitReply(sequence=service.seq_reply(session.pool.sequence(request.seq_id)))
+
+    service.PrefixCacheService.Commit = service.rpc(Commit)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tests.daemon.launcher")
     parser.add_argument("--watchdog-stall", metavar="PATH")
     parser.add_argument("--background-error", action="store_true")
     parser.add_argument("--exit-status", type=int)
+    parser.add_argument("--ack-before-ticket", action="store_true")
     ours, rest = parser.parse_known_args(argv)
     if ours.watchdog_stall:
         install_watchdog_stall(ours.watchdog_stall)
@@ -77,6 +93,8 @@ def main(argv: list[str]) -> int:
         install_background_error()
     if ours.exit_status is not None:
         install_exit_status(ours.exit_status)
+    if ours.ack_before_ticket:
+        install_ack_before_ticket()
     from prefixd.daemon import cli
 
     return cli.main(rest)

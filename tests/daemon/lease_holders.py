@@ -23,7 +23,7 @@ import grpc
 
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.api import prefixd_pb2_grpc as pb_grpc
-from tests.daemon.gsp_load import BS, packed, pb_layout, systems, write_kv
+from tests.daemon.gsp_workload import BS, packed, pb_layout, systems, write_kv
 
 HOLD_MODES = ("private", "forked", "pinned")
 

@@ -17,7 +17,8 @@ import time
 import torch
 
 import prefixd.client as pc
-from tests.daemon.gsp_load import BS, LAYOUT, Log, digest, kv_of, systems
+from tests.daemon.gsp_workload import BS, LAYOUT, digest, kv_of, systems
+from tests.daemon.json_lines import Log
 
 
 class LibClient:

@@ -1,4 +1,4 @@
-"""KV events for routers against a real daemon (issue 15 part C, ``SubscribeEvents``): stored
+"""KV events for routers against a real daemon (``SubscribeEvents``): stored
 events of a commit with the right chained hashes and tiers, removed events on eviction, a
 replay-from after a disconnect that misses and repeats nothing, ``cleared`` for a number older
 than the ring, tenant isolation (with a positive control), a slow subscriber cut off with
@@ -21,7 +21,7 @@ import xxhash
 import prefixd.client as pc
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.client import ctl, kv_events
-from tests.daemon.harness import start_daemon
+from tests.daemon.harness import start_daemon, two_tenant_config
 
 BS = 4
 LAYOUT = pb.KVLayout(model_id="events-test", num_layers=1, num_kv_heads=1, head_dim=8,
@@ -31,31 +31,11 @@ QUEUE = 64
 
 # a device pool of 24 blocks: three 9-block prompts evict; alpha's socket is s.sock, beta's
 # beta.sock beside it
-CONFIG = """
-[engine]
-sync = "commit"
-shm_dir = "{shm}"
-
-[engine.blocks]
-device = 24
-host = 512
-disk = 1024
-
-[[engine.tenants]]
-name = "alpha"
-salt = "salt-of-alpha"
-
-[[engine.tenants]]
-name = "beta"
-salt = "salt-of-beta"
-
-[daemon]
-lease_s = {lease_s}
-
+CONFIG = two_tenant_config(device=24, host=512, disk=1024, tables=f"""
 [daemon.events]
-ring_size = %d
-subscriber_queue = %d
-""" % (RING, QUEUE)
+ring_size = {RING}
+subscriber_queue = {QUEUE}
+""")
 
 _prompt_ids = iter(range(1, 1 << 20))
 

@@ -1,6 +1,6 @@
 """NVIDIA Dynamo's KV router index, fed from the daemon's ZMQ KV events, agrees with the daemon.
 
-Four client processes (``tests.daemon.gsp_load load``, through ``prefixd.client``) send gsp
+Four client processes (``tests.daemon.gsp_load``, through ``prefixd.client``) send gsp
 requests to a daemon whose tiers are small enough that blocks are evicted, demoted and promoted.
 A subscriber (``tests.daemon.kv_sub``) turns every batch into Dynamo ``RadixTree`` events for
 one worker (``DynamoView``: block_hash = the published hash, tokens_hash =
@@ -25,8 +25,9 @@ import time
 
 
 import prefixd.client as pc
-from tests.daemon.gsp_load import BS, LAYOUT, LineTail, systems
+from tests.daemon.gsp_workload import BS, LAYOUT, systems
 from tests.daemon.harness import start_daemon
+from tests.daemon.json_lines import LineTail
 from tests.daemon.kv_sub import KVSub, decode
 from tests.requires import missing
 
@@ -60,35 +61,52 @@ buffer_batches = 200000
 """
 
 
+class RouterIndex:
+    """Dynamo's ``RadixTree``, fed router events (JSON, numbered in the order they are applied)
+    for any of its workers; ``problems`` lists every event the tree refused."""
+
+    def __init__(self) -> None:
+        self.tree = dynamo.RadixTree()
+        self.problems: list[str] = []
+        self.event_id = 0
+
+    def apply(self, worker: int, data: dict) -> None:
+        self.event_id += 1
+        body = json.dumps({"event_id": self.event_id, "data": data, "dp_rank": 0}).encode()
+        try:
+            self.tree.apply_event(worker, body)
+        except Exception as exc:  # noqa: BLE001 - listed, the test fails on it
+            self.problems.append(f"{exc}: {body[:300]!r}")
+
+    def clear(self, worker: int) -> None:
+        self.tree.clear_all_blocks(worker)
+
+    def scores(self, tokens) -> dict:
+        """``(worker, dp_rank) -> blocks matched`` of ``tokens``."""
+        return self.tree.find_matches(dynamo.compute_block_hash_for_seq(tokens, BS)).scores
+
+
 class DynamoView:
     """Dynamo's ``RadixTree`` for one worker, fed batch by batch. A block is in the tree while
     some medium holds it (``where``): a copy into another tier adds a medium, a removal takes
     one away, and the block leaves the tree with its last. ``problems`` lists what a router
     could not apply (a store of an unknown block without token ids, a removal of one it never
-    saw, an event Dynamo refused). ``apply_removals=False``: the control that ignores them."""
+    saw, an event Dynamo refused: the index's own list). ``apply_removals=False``: the control
+    that ignores them."""
 
     def __init__(self, apply_removals: bool = True) -> None:
-        self.tree = dynamo.RadixTree()
+        self.index = RouterIndex()
         self.where: dict[int, set[str]] = {}
         self.apply_removals = apply_removals
-        self.problems: list[str] = []
+        self.problems = self.index.problems
         self.run_batches = 0  # batches since the last AllBlocksCleared (it included)
-        self.event_id = 0
-
-    def _apply(self, data) -> None:
-        self.event_id += 1
-        body = json.dumps({"event_id": self.event_id, "data": data, "dp_rank": 0}).encode()
-        try:
-            self.tree.apply_event(WORKER, body)
-        except Exception as exc:  # noqa: BLE001 - listed, the test fails on it
-            self.problems.append(f"{exc}: {body[:300]!r}")
 
     def batch(self, seq: int, payload: bytes) -> None:
         self.run_batches += 1
         for e in decode(payload)[1]:
             kind = e["type"]
             if kind == "AllBlocksCleared":
-                self.tree.clear_all_blocks(WORKER)
+                self.index.clear(WORKER)
                 self.where.clear()
                 self.run_batches = 1
             elif kind == "BlockStored":
@@ -109,7 +127,7 @@ class DynamoView:
                 return
             tokens_hashes = dynamo.compute_block_hash_for_seq(e["token_ids"], e["block_size"])
             parent = hashes[known - 1] if known else e["parent_block_hash"]
-            self._apply({"stored": {"parent_hash": parent, "blocks": [
+            self.index.apply(WORKER, {"stored": {"parent_hash": parent, "blocks": [
                 {"block_hash": h, "tokens_hash": t}
                 for h, t in zip(hashes[known:], tokens_hashes[known:])]}})
         for h in hashes:
@@ -127,11 +145,10 @@ class DynamoView:
                 del self.where[h]
                 gone.append(h)
         if gone:
-            self._apply({"removed": {"block_hashes": gone[::-1]}})
+            self.index.apply(WORKER, {"removed": {"block_hashes": gone[::-1]}})
 
     def matches(self, tokens) -> int:
-        scores = self.tree.find_matches(dynamo.compute_block_hash_for_seq(tokens, BS)).scores
-        return scores.get((WORKER, 0), 0)
+        return self.index.scores(tokens).get((WORKER, 0), 0)
 
 
 class MediumViews:
@@ -142,15 +159,14 @@ class MediumViews:
     WORKERS = {"GPU": 1, "CPU": 2, "DISK": 3}
 
     def __init__(self) -> None:
-        self.tree = dynamo.RadixTree()
-        self.problems: list[str] = []
-        self.event_id = 0
+        self.index = RouterIndex()
+        self.problems = self.index.problems
 
     def batch(self, seq: int, payload: bytes) -> None:
         for e in decode(payload)[1]:
             if e["type"] == "AllBlocksCleared":
                 for w in self.WORKERS.values():
-                    self.tree.clear_all_blocks(w)
+                    self.index.clear(w)
                 continue
             w = self.WORKERS[e["medium"]]
             if e["type"] == "BlockStored":
@@ -160,15 +176,10 @@ class MediumViews:
                         dynamo.compute_block_hash_for_seq(e["token_ids"], e["block_size"]))]}}
             else:
                 data = {"removed": {"block_hashes": e["block_hashes"][::-1]}}
-            self.event_id += 1
-            body = json.dumps({"event_id": self.event_id, "data": data, "dp_rank": 0}).encode()
-            try:
-                self.tree.apply_event(w, body)
-            except Exception as exc:  # noqa: BLE001 - listed, the test fails on it
-                self.problems.append(f"{exc}: {body[:300]!r}")
+            self.index.apply(w, data)
 
     def matches(self, tokens) -> int:
-        scores = self.tree.find_matches(dynamo.compute_block_hash_for_seq(tokens, BS)).scores
+        scores = self.index.scores(tokens)
         return max((scores.get((w, 0), 0) for w in self.WORKERS.values()), default=0)
 
 
@@ -179,7 +190,7 @@ class Load:
         self.out = out
         os.makedirs(out, exist_ok=True)
         self.parent = subprocess.Popen(
-            [sys.executable, "-m", "tests.daemon.gsp_load", "load", socket, out, str(CLIENTS),
+            [sys.executable, "-m", "tests.daemon.gsp_load", socket, out, str(CLIENTS),
              str(seed), "0.01", str(CLIENTS)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.pids = [int(self.parent.stdout.readline()) for _ in range(CLIENTS)]

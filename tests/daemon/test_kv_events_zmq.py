@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 import prefixd.client as pc
-from tests.daemon.harness import DaemonProcess, start_daemon
+from tests.daemon.harness import DaemonProcess, start_daemon, two_tenant_config
 from tests.daemon.kv_sub import END_SEQ, KVSub, decode
 from tests.requires import missing
 
@@ -28,33 +28,13 @@ LAYOUT = pc.KVLayout(model_id="kv-zmq", num_layers=1, num_kv_heads=1, head_dim=8
                      dtype="float16", block_size=BS)
 
 # device 24 blocks: a few 9-block prompts evict, demote to host, and host to disk
-CONFIG = """
-[engine]
-sync = "commit"
-shm_dir = "{shm}"
-
-[engine.blocks]
-device = 24
-host = 48
-disk = 96
-
-[[engine.tenants]]
-name = "alpha"
-salt = "salt-of-alpha"
-
-[[engine.tenants]]
-name = "beta"
-salt = "salt-of-beta"
-
-[daemon]
-lease_s = {lease_s}
-
+CONFIG = two_tenant_config(device=24, host=48, disk=96, tables="""
 [daemon.kv_events]
 endpoint = "ipc://{base}/kv"
 replay_endpoint = "ipc://{base}/kvr"
 buffer_batches = 4096
 hwm = 16
-"""
+""")
 
 # vLLM's decoder over a file of length-prefixed payloads: counts of blocks by type and medium
 DECODE = r"""

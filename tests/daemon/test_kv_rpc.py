@@ -1,7 +1,5 @@
 """WriteKV / ReadKV (prefixd.daemon.kv_rpc) over a real DurableCache and a real Session."""
 
-import re
-
 import grpc
 import numpy as np
 import pytest
@@ -12,8 +10,8 @@ from prefixd.api.tensors import from_kv_chunk, to_kv_chunk
 from prefixd.daemon import kv_rpc
 from prefixd.daemon.pool_descriptors import pool_descriptors
 from tests.daemon.kv_rpc_helpers import (
-    BS, LAYOUT, assert_same_state, kv_for, open_seq, read, read_chunks, refusal, request,
-    sessions, state, write,
+    BS, LAYOUT, assert_refused_unchanged, kv_for, open_seq, read, read_chunks, refusal, request,
+    sessions, write,
 )
 from tests.engine.factory import cache_factory
 
@@ -178,12 +176,7 @@ def test_write_refusals_change_nothing(env, make, code, words):
     seq = open_seq(s, list(range(10)))  # blocks 0, 1 full, block 2 partial
     write(s, [request(s, seq.id, 0, kv_for(0, 10))])
     reqs = make(s, table, pool, seq)
-    before = state(pool)
-    failure = refusal(lambda: write(s, reqs, max_bytes=1024))
-    assert failure.code is code, failure
-    assert re.search(words, failure.message), failure.message
-    assert_same_state(before, state(pool))
-    table.check_invariants()
+    assert_refused_unchanged(lambda: write(s, reqs, max_bytes=1024), pool, table, code, words)
 
 
 def test_refused_chunk_keeps_earlier_chunks_and_says_how_many(env):

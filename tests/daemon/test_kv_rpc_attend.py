@@ -12,7 +12,7 @@ from prefixd.api.layout import KVLayout
 from prefixd.api.tensors import from_tensor_msg, to_tensor_msg
 from prefixd.daemon import kv_rpc
 from tests.daemon.kv_rpc_helpers import (
-    LAYOUT, MAX_BYTES, assert_same_state, open_seq, refusal, sessions, state,
+    LAYOUT, MAX_BYTES, assert_refused_unchanged, open_seq, refusal, sessions,
 )
 
 Code = grpc.StatusCode
@@ -190,12 +190,7 @@ REFUSALS = [
 def test_attend_refusals_change_nothing(env, make, code, words):
     pool, table, s = env
     req = make(s, seq_ids(pool))
-    before = state(pool)
-    failure = refusal(lambda: kv_rpc.attend(s, req, MAX_BYTES))
-    assert failure.code is code, failure
-    assert re.search(words, failure.message), failure.message
-    assert_same_state(before, state(pool))
-    table.check_invariants()
+    assert_refused_unchanged(lambda: kv_rpc.attend(s, req, MAX_BYTES), pool, table, code, words)
 
 
 def test_attend_refuses_an_output_over_the_message_limit(env):

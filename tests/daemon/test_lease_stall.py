@@ -10,7 +10,7 @@ import signal
 import time
 
 import prefixd.client as pc
-from tests.daemon.gsp_load import LAYOUT
+from tests.daemon.gsp_workload import LAYOUT
 from tests.daemon.harness import start_daemon
 from tests.daemon.test_leases import CONFIG, SHORT_LEASE, SLACK_S, Spawner, status
 

@@ -23,7 +23,7 @@ import grpc
 import pytest
 
 from prefixd.api import prefixd_pb2 as pb
-from tests.daemon.gsp_load import BS, packed, pb_layout, systems, write_kv
+from tests.daemon.gsp_workload import BS, packed, pb_layout, systems, write_kv
 from tests.daemon.harness import ROOT, DaemonProcess, start_daemon
 
 DEVICE = 320

@@ -2,7 +2,7 @@
 
 import json
 
-from tests.daemon.gsp_load import LineTail, read_lines
+from tests.daemon.json_lines import LineTail, read_lines
 
 
 def test_line_tail_reads_what_read_lines_reads_as_the_file_grows(tmp_path):

@@ -19,7 +19,7 @@ import pytest
 
 import prefixd.client as pc
 from prefixd.api import prefixd_pb2 as pb
-from tests.daemon.gsp_load import packed, pb_layout
+from tests.daemon.gsp_workload import packed, pb_layout
 from tests.daemon.harness import start_daemon
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -281,7 +281,7 @@ def test_checkpoints_the_engine_triggers_run_beside_commits_and_a_restart_keeps_
     the loop (``OffLoop.watch``) while two clients commit: every acknowledged commit is a
     hit after a clean stop and after a kill -9 (the log after each checkpoint's lsn holds
     what the checkpoint's picture did not see)."""
-    from tests.daemon.gsp_load import BS, write_kv
+    from tests.daemon.gsp_workload import BS, write_kv
 
     with start_daemon(TRIGGER_CONFIG, lease_s=30.0) as d:
         committed: list[list[int]] = []

@@ -19,7 +19,7 @@ import pytest
 from prefixd.api import prefixd_pb2 as pb
 from prefixd.api import prefixd_pb2_grpc as pb_grpc
 from tests.daemon.forked import ForkedDaemon
-from tests.daemon.gsp_load import BS, packed, pb_layout, write_kv
+from tests.daemon.gsp_workload import BS, packed, pb_layout, write_kv
 
 CONFIG = """
 [engine]

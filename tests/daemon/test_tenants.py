@@ -1,4 +1,4 @@
-"""Two tenants on one daemon (issue 11 item 4): one socket each, and identical prompts never
+"""Two tenants on one daemon: one socket each, and identical prompts never
 hit, show or count across them; the same prompts on one tenant do hit (the positive control).
 Also the sockets' modes from ``[[daemon.sockets]]`` and the 0750 directory the daemon makes."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from prefixd.api import prefixd_pb2 as pb
-from tests.daemon.harness import start_daemon
+from tests.daemon.harness import start_daemon, two_tenant_config
 
 Code = grpc.StatusCode
 BS = 4
@@ -21,32 +21,12 @@ LAYOUT = pb.KVLayout(model_id="tenant-test", num_layers=1, num_kv_heads=1, head_
                      dtype="float16", block_size=BS)
 
 # alpha: its socket listed with a mode; beta: not listed, so <socket dir>/beta.sock, mode 0660.
-CONFIG = """
-[engine]
-sync = "commit"
-shm_dir = "{shm}"
-
-[engine.blocks]
-device = 128
-host = 256
-disk = 512
-
-[[engine.tenants]]
-name = "alpha"
-salt = "salt-of-alpha"
-
-[[engine.tenants]]
-name = "beta"
-salt = "salt-of-beta"
-
-[daemon]
-lease_s = {lease_s}
-
+CONFIG = two_tenant_config(device=128, host=256, disk=512, tables="""
 [[daemon.sockets]]
 tenant = "alpha"
 path = "{base}/run/s.sock"
 mode = "0640"
-"""
+""")
 
 PROMPTS = [np.arange(1000 * i, 1000 * i + 37, dtype="<i4").tobytes() for i in range(1, 4)]
 FULL = 36  # 37 tokens: 9 full blocks of 4
