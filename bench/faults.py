@@ -25,8 +25,9 @@ outage, the call that missed the deadline and tripped it). ``hung_over_dead_p99`
 is the judged ratio (``hung.p99_ms / dead.p99_ms``, at most 1.5).
 
 ``checkpoint``: a second daemon over a pool of ``--ckpt-blocks`` (1M) indexed blocks, built
-in-process through the engine as ``bench/recovery.py`` builds its state (its ``Traffic``), the
-four clients running on that pool, and a Checkpoint rpc (``prefixctl checkpoint``'s). Reported:
+in-process through the engine as ``bench/recovery.py`` builds its state (``fill_disk`` and
+``Traffic`` of ``bench/recovery_parts/recovery_state.py``), the four clients running on that
+pool, and a Checkpoint rpc (``prefixctl checkpoint``'s). Reported:
 ``checkpoint_s`` (the rpc's wall time), the clients' latency in the window of the checkpoint,
 and ``loop_lag_p99_ms`` / ``loop_lag_max_ms`` from the daemon's Stats
 (``prefixd_loop_lag_p99_seconds`` / ``prefixd_loop_lag_max_seconds`` over the last 10 s): null
@@ -198,9 +199,9 @@ def fault_phases(opts, work: str) -> dict:
 # -- the checkpoint phase --------------------------------------------------------------------
 
 def build_pool(d: DaemonProc, n: int) -> dict:
-    """Fill the daemon's pool of ``recovery.LAYOUT`` with ``n`` indexed disk blocks through the
-    engine itself (so manifest and tenant salt are the daemon's), then checkpoint and close."""
-    import recovery
+    """Fill the daemon's pool of ``recovery_state.LAYOUT`` with ``n`` indexed disk blocks through
+    the engine itself (so manifest and tenant salt are the daemon's), then checkpoint and close."""
+    import recovery_state
     from prefixd.config import load
     from prefixd.engine.engine import Engine
 
@@ -208,20 +209,10 @@ def build_pool(d: DaemonProc, n: int) -> dict:
     t0 = time.perf_counter()
     engine = Engine(d.state_dir, engine_config)
     try:
-        dc = engine.pool("default", recovery.LAYOUT)
-        traffic = recovery.Traffic(0, num_systems=max(8, n // 5000))
-        tree, tiering = dc.cache.tree, dc.cache.tiering
-        requests = 0
-        while tree.num_blocks_in[2] + sum(node.num_blocks for node in tiering.pending_disk) < n:
-            recovery.serve(dc, traffic.next_prompt(8, 150, p_new=0.5))
-            requests += 1
-            if len(tiering.pending_disk) >= 64:
-                dc.spill()
-            if requests > 40 * n // 8 + 1000:
-                raise RuntimeError(f"the build did not reach {n} disk blocks in {requests} requests")
-        dc.spill()
+        dc = engine.pool("default", recovery_state.LAYOUT)
+        recovery_state.fill_disk(dc, recovery_state.Traffic(0, num_systems=max(8, n // 5000)), n)
         engine.checkpoint()
-        blocks = list(tree.num_blocks_in)
+        blocks = list(dc.cache.tree.num_blocks_in)
     finally:
         engine.close()
     return {"build_s": round(time.perf_counter() - t0, 1), "blocks_by_tier": blocks}
@@ -230,17 +221,17 @@ def build_pool(d: DaemonProc, n: int) -> dict:
 def checkpoint_phase(opts, work: str) -> dict:
     import grpc
 
-    import recovery
+    import recovery_state
     from prefixd.api import prefixd_pb2 as pb
     from prefixd.api import prefixd_pb2_grpc as pb_grpc
 
     disk = opts.ckpt_blocks + max(opts.ckpt_blocks // 20, 2000)
-    with DaemonProc(os.path.join(work, "c"), device=recovery.DEVICE_BLOCKS, host=recovery.HOST_BLOCKS,
-                    disk=disk, lease_s=30.0) as d:
+    with DaemonProc(os.path.join(work, "c"), device=recovery_state.DEVICE_BLOCKS,
+                    host=recovery_state.HOST_BLOCKS, disk=disk, lease_s=30.0) as d:
         built = build_pool(d, opts.ckpt_blocks)
         d.start(timeout=600)
         os.makedirs(os.path.join(work, "cc"))
-        clients = Clients(d.socket, recovery.LAYOUT, opts.clients, os.path.join(work, "cc"),
+        clients = Clients(d.socket, recovery_state.LAYOUT, opts.clients, os.path.join(work, "cc"),
                           period_s=opts.period_ms / 1000, request_timeout_ms=opts.request_timeout_ms,
                           groups=4, system_len=opts.system_len)
         lag = dict.fromkeys(LAG_KEYS)
@@ -288,7 +279,8 @@ def main(argv=None) -> int:
         opts.phase_s, opts.stop_s, opts.tail_s = 3.0, 2.0, 1.5
         opts.ckpt_blocks = min(opts.ckpt_blocks, 20_000) if opts.ckpt_blocks else 0
         opts.system_len = 128
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/recovery.py
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(here, "recovery_parts"))  # the checkpoint phase's pool and traffic
     work = tempfile.mkdtemp(prefix="pdf-", dir="/tmp")
     result = {"bench": "faults", "params": {k: v for k, v in vars(opts).items() if k not in ("client", "out")}}
     phases = fault_phases(opts, work)

@@ -18,12 +18,13 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "bench" / "events_parts"))
 sys.path.insert(0, str(ROOT / "bench" / "rpc_parts"))
 
 import numpy as np  # noqa: E402
 
-import events  # noqa: E402
+from events_load import SYSTEM, Clients, daemon_config  # noqa: E402
+from events_subscriber import Subscriber  # noqa: E402
 from prefixd.tools.daemon_proc import DaemonProc  # noqa: E402
 from rpc_daemon import _PROFILED  # noqa: E402
 
@@ -41,20 +42,18 @@ def main() -> None:
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["prefixd.client"])
-    system = np.random.default_rng(0).integers(0, 50000, events.SYSTEM, dtype="<i4")
+    system = np.random.default_rng(0).integers(0, 50000, SYSTEM, dtype="<i4")
     shm = tempfile.mkdtemp(prefix="pd-lab-ev-", dir="/dev/shm")
     base = tempfile.mkdtemp(prefix="pdev-", dir="/tmp")
-    kv = "" if args.off else events.KV
-    d = DaemonProc(base, config=events.CONFIG.format(shm="{shm}", kv=kv).replace("{base}", base),
-                   shm_dir=shm, entry=["-c", _PROFILED.format(profile=args.out),
-                                       "-m", "prefixd.daemon.cli"])
+    d = DaemonProc(base, config=daemon_config(base, publish=not args.off), shm_dir=shm,
+                   entry=["-c", _PROFILED.format(profile=args.out), "-m", "prefixd.daemon.cli"])
     sub = None
     try:
         d.start(120.0)
         if not args.off:
-            sub = events.Subscriber(f"ipc://{base}/kv")
+            sub = Subscriber(f"ipc://{base}/kv")
             time.sleep(0.5)
-        clients = events.Clients(ctx, {"publish": d}, system, 10, args.seconds)
+        clients = Clients(ctx, {"publish": d}, system, 10, args.seconds)
         try:
             for _ in range(args.phases):
                 r = clients.round()

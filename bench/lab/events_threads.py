@@ -1,5 +1,5 @@
 """Where a daemon's CPU goes, by thread, under ``bench/events.py``'s workload: a publishing
-daemon and one that does not, at once (``events.Clients``), then each thread's CPU seconds
+daemon and one that does not, at once (``events_load.Clients``), then each thread's CPU seconds
 (``/proc/<pid>/task``) per request, by thread name.
 
 Usage: ``python bench/lab/events_threads.py [--rounds N] [--seconds S] [--aa]``; ``--aa``: the
@@ -18,12 +18,12 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "bench" / "events_parts"))
 
 import numpy as np  # noqa: E402
 
-import events  # noqa: E402
-from prefixd.tools.daemon_proc import DaemonProc  # noqa: E402
+from events_load import SIDES, SYSTEM, Clients, close_all, cpu_s, start_daemon  # noqa: E402
+from events_subscriber import Subscriber  # noqa: E402
 
 
 def threads_cpu(pid: int) -> dict[str, float]:
@@ -42,9 +42,7 @@ def threads_cpu(pid: int) -> dict[str, float]:
         fields = rest.split()
         name = "loop" if tid == str(pid) else head.split("(", 1)[1]
         out[name] += (int(fields[11]) + int(fields[12])) / tick
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    out["process"] = (int(fields[11]) + int(fields[12])) / tick
+    out["process"] = cpu_s(pid)
     with open(f"/proc/{pid}/task/{pid}/status") as f:
         for line in f:
             if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
@@ -63,23 +61,17 @@ def main() -> None:
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["prefixd.client"])
-    system = np.random.default_rng(0).integers(0, 50000, events.SYSTEM, dtype="<i4")
+    system = np.random.default_rng(0).integers(0, 50000, SYSTEM, dtype="<i4")
     shm = tempfile.mkdtemp(prefix="pd-lab-th-", dir="/dev/shm")
     daemons, sub = {}, None
     try:
-        for side in ("off", "publish"):
-            base = tempfile.mkdtemp(prefix="pdev-", dir="/tmp")
-            kv = events.KV if side == "publish" and not args.aa else ""
-            d = DaemonProc(base, config=events.CONFIG.format(shm="{shm}", kv=kv)
-                           .replace("{base}", base), shm_dir=os.path.join(shm, side))
-            os.makedirs(d.shm_dir, exist_ok=True)
-            d.start(120.0)
-            daemons[side] = d
-        sub = events.Subscriber(f"ipc://{daemons['publish'].base}/kv")  # idle under --aa
+        for side in SIDES:
+            daemons[side] = start_daemon(shm, side, publish=side == "publish" and not args.aa)
+        sub = Subscriber(f"ipc://{daemons['publish'].base}/kv")  # idle under --aa
         time.sleep(0.5)
         spent = {side: collections.defaultdict(float) for side in daemons}
         served = {side: 0 for side in daemons}
-        clients = events.Clients(ctx, daemons, system, 10, args.seconds)
+        clients = Clients(ctx, daemons, system, 10, args.seconds)
         try:
             for _ in range(args.rounds):
                 before = {side: threads_cpu(d.pid()) for side, d in daemons.items()}
@@ -95,7 +87,7 @@ def main() -> None:
             rows = sorted(by.items(), key=lambda kv: -kv[1])
             print(side, " ".join(f"{n}={s / served[side] * 1e6:.0f}us" for n, s in rows if s > 0))
     finally:
-        events.close_all(sub, daemons, shm)
+        close_all(sub, daemons, shm)
 
 
 if __name__ == "__main__":

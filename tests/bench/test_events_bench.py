@@ -45,10 +45,10 @@ def test_events_bench_two_short_rounds_print_every_judged_key():
 def test_events_per_s_counts_only_batches_received_inside_the_window(tmp_path):
     """Warm-up traffic (before the window) and the flush after it are decoded, but only what
     arrives inside the measured window counts toward ``events_per_s`` / ``batches_per_s``."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import events
+    sys.path.insert(0, os.path.join(ROOT, "bench", "events_parts"))
+    from events_subscriber import Subscriber
 
-    sub = events.Subscriber(f"ipc://{tmp_path}/none")
+    sub = Subscriber(f"ipc://{tmp_path}/none")
     try:
         batch = msgpack.packb([0.0, [{"type": "BlockRemoved", "medium": "GPU"}] * 3, None])
         sub.raw.extend((t, seq.to_bytes(8, "big"), batch) for seq, t in enumerate((5.0, 10.0, 15.0, 21.0)))

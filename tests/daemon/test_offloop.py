@@ -147,24 +147,17 @@ DISK_BLOCKS = 340_000  # room for the evictions' headroom beside them
 NUM_CLIENTS = 8
 
 
-def fill(recovery, pool_dir: str, shm_dir: str) -> None:
+def fill(recovery_state, pool_dir: str, shm_dir: str) -> None:
     """``NUM_BLOCKS`` blocks into the pool in ``pool_dir`` through the engine itself, with
     ``bench/recovery.py``'s traffic (shared system prompts, conversations off them)."""
     from prefixd.engine.durable import DurableCache
 
-    dc = DurableCache(pool_dir, recovery.LAYOUT, (recovery.DEVICE_BLOCKS, recovery.HOST_BLOCKS,
-                                                  DISK_BLOCKS),
+    dc = DurableCache(pool_dir, recovery_state.LAYOUT,
+                      (recovery_state.DEVICE_BLOCKS, recovery_state.HOST_BLOCKS, DISK_BLOCKS),
                       shm_dir=shm_dir, sync="none", checkpoint_records=1 << 60,
                       checkpoint_blocks=1 << 60, spill_blocks=4096)
-    traffic = recovery.Traffic(0, num_systems=NUM_BLOCKS // 5000)
-    tiering = dc.cache.tiering
-    for _ in range(100_000):  # bounded: ~10k requests fill it
-        if dc.cache.tree.num_blocks_in[2] >= NUM_BLOCKS:
-            break
-        recovery.serve(dc, traffic.next_prompt(8, 150, p_new=0.5))
-        if len(tiering.pending_disk) >= 64:
-            dc.spill()
-    dc.spill()
+    traffic = recovery_state.Traffic(0, num_systems=NUM_BLOCKS // 5000)
+    recovery_state.fill_disk(dc, traffic, NUM_BLOCKS)
     dc.checkpoint()
     dc.close()
 
@@ -208,10 +201,10 @@ def test_a_checkpoint_of_a_large_pool_lets_eight_clients_calls_through():
     whole duration (0.6-3 s at 1M blocks). Now the picture is taken on the loop, the bytes are
     made on a worker thread and written by the log's committer, and calls go on meanwhile; a
     restart after it recovers every block."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import recovery
+    sys.path.insert(0, os.path.join(ROOT, "bench", "recovery_parts"))
+    import recovery_state
 
-    lay = recovery.LAYOUT
+    lay = recovery_state.LAYOUT
     layout = pb.KVLayout(model_id=lay.model_id, num_layers=lay.num_layers,
                          num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim, dtype=lay.dtype,
                          block_size=lay.block_size)
@@ -225,7 +218,7 @@ def test_a_checkpoint_of_a_large_pool_lets_eight_clients_calls_through():
         pool_dir = next(os.path.join(root, name) for root, dirs, _ in
                         os.walk(os.path.join(d.state_dir, "pools")) for name in dirs
                         if name.startswith("bench-tiny-"))
-        fill(recovery, pool_dir, d.shm_dir)
+        fill(recovery_state, pool_dir, d.shm_dir)
         d.start(timeout=300)
         indexed = sum(p.blocks[2] for p in stub.Status(pb.StatusRequest(), timeout=30).pools)
         assert indexed >= NUM_BLOCKS
