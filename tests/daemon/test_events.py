@@ -48,7 +48,9 @@ def new_prompt(num_tokens: int = 37) -> bytes:
 
 @pytest.fixture(scope="module")
 def daemon():
-    with start_daemon(CONFIG) as d:
+    # a lease no test here outlasts: each attaches, then waits for the stream to settle
+    # (seconds on a loaded host) without keep-alives; leases have tests of their own
+    with start_daemon(CONFIG, lease_s=60.0) as d:
         yield d
 
 
