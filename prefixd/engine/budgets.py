@@ -73,10 +73,15 @@ def pool_file_bytes(num_slots: int, block_bytes: int) -> int:
 
 def log_bytes_on_disk(state_dir: str) -> int:
     """Bytes the pools' logs (every ``wal`` directory under ``pools/``) take now."""
+    return bytes_under(os.path.join(state_dir, "pools"), only_dirs_named="wal")
+
+
+def bytes_under(path: str, only_dirs_named: str | None = None) -> int:
+    """Bytes the files under ``path`` take on disk (``st_blocks``), or only those in
+    directories named ``only_dirs_named``; a file gone meanwhile counts nothing."""
     total = 0
-    root = os.path.join(state_dir, "pools")
-    for dirpath, _, files in os.walk(root):
-        if os.path.basename(dirpath) != "wal":
+    for dirpath, _, files in os.walk(path):
+        if only_dirs_named is not None and os.path.basename(dirpath) != only_dirs_named:
             continue
         for name in files:
             try:

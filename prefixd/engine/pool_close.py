@@ -41,6 +41,7 @@ import logging
 import os
 
 from prefixd.api.tiers import Tier
+from prefixd.engine.budgets import bytes_under
 from prefixd.storage import falloc
 from prefixd.storage.errors import BudgetExceededError, StorageError
 from prefixd.storage.extents import EXTENT_BYTES
@@ -201,7 +202,7 @@ class PoolCloser:
         pool took that room meanwhile, the bytes stay uncharged and it is logged."""
         if not self._budgets.budget.disk:
             return
-        left = _bytes_under(state_dir)
+        left = bytes_under(state_dir)
         try:
             self._budgets.ledgers["disk"].charge(key[0], left)
         except BudgetExceededError as exc:
@@ -209,18 +210,6 @@ class PoolCloser:
                      state_dir, exc)
             return
         self.leftovers[key] = left
-
-
-def _bytes_under(path: str) -> int:
-    """Bytes the files under ``path`` take on disk (``st_blocks``)."""
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.stat(os.path.join(dirpath, name)).st_blocks * 512
-            except OSError:
-                continue
-    return total
 
 
 def _keep_header_only(path: str) -> None:
