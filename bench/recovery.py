@@ -15,10 +15,11 @@ fires, and skips the checkpoint it asks for: the largest tail a restart under th
 configuration can meet (a crash just before that checkpoint; one engine call past the
 threshold). ``forced_tail.<n>`` forces exactly ``--tail`` (100k) records whatever they name:
 with this traffic 100k records name ~3.5M blocks, a tail the default trigger folds long
-before (it fires at 500k decoded blocks, ~15k records), so no restart under the defaults
-replays it; it is kept as a stress case, not the headline. The page cache is dropped (root only; ``page_cache_dropped`` says whether it was),
-then a FRESH Python process opens the state directory: it stamps the time on its first line,
-imports ``prefixd``, and constructs ``DurableCache`` (the constructor is recovery); its
+before (it fires at 500k decoded blocks: 45k-74k records of this traffic, by pool size), so
+no restart under the defaults replays it; it is kept as a stress case, not the headline. The
+page cache is dropped (root only; ``page_cache_dropped`` says whether it was), then a FRESH
+Python process opens the state directory: it stamps the time on its first line, imports
+``prefixd``, and constructs ``DurableCache`` (the constructor is recovery); its
 ``recovery`` phases come back as JSON. Done with ``verify="lazy"`` and ``"eager"``.
 
 ``recovery.<n>.ready_s`` is the median of ``--repeats`` (5) such recoveries with lazy verify
