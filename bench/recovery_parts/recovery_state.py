@@ -200,7 +200,11 @@ def default_tail(dc: DurableCache, traffic: Traffic) -> int:
 
 
 def log_tail(dc: DurableCache, after_lsn: int, counts: dict | None = None) -> tuple[int, int]:
-    """``(records, blocks named by block records)`` in the log after ``after_lsn``."""
+    """``(records, blocks named by block records)`` in the log after ``after_lsn``: every record
+    logged so far is committed first (replay reads committed records; with ``sync="none"``
+    the committer is still behind), as the close that follows commits them."""
+    dc._log()
+    dc.wal.commit_now()
     records = blocks = 0
     block_kinds = (Kind.BLOCK_PUT, Kind.BLOCK_MOVE, Kind.BLOCK_DROP)
     for rec in dc.wal.replay(after_lsn):

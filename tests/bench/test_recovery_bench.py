@@ -29,5 +29,6 @@ def test_recovery_bench_builds_and_recovers_each_case(tmp_path):
         # the host and disk tiers come back as they were at close (the device tier starts empty)
         assert lazy["blocks_by_tier"][1:] == build["blocks_by_tier_at_close"][1:], (case, lazy)
         assert out[case]["ready_s"] > 0
+    assert out["forced_tail.2000"]["build"]["tail_records"] in (300, 301)  # a release may end it
     assert out["recovery.2000"]["eager"]["blocks_by_tier"] == out["recovery.2000"]["lazy"]["blocks_by_tier"]
     assert out["wal.records_per_s"] > 0 and out["wal.floor_records_per_s"] > 0
