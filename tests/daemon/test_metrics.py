@@ -32,8 +32,10 @@ PROMPTS = [np.arange(i * 1000, i * 1000 + 64, dtype="<i4").tobytes() for i in ra
 
 @pytest.fixture(scope="module")
 def daemon():
-    """A daemon whose 8-block device pool was made to evict, demote, hit and promote."""
-    with start_daemon(METRICS_CONFIG) as d:
+    """A daemon whose 8-block device pool was made to evict, demote, hit and promote. Its
+    session, kept without keep-alives, serves the module's later tests: the lease outlasts
+    them on a loaded host."""
+    with start_daemon(METRICS_CONFIG, lease_s=60.0) as d:
         stub = d.stub()
         sid = stub.Attach(pb.AttachRequest(client_name="metrics", layout=LAYOUT)).session_id
         for _ in range(2):  # 4 prompts of 4 blocks through 8 device blocks: evictions
