@@ -31,8 +31,8 @@ When: candidates are pools whose last session ended, pools an eviction of anothe
 with no block (``TierLRU.emptied``), every pool a start recovered (once), and every pool
 whose last recovered sequences the tick expired; the daemon tries them on its tick (never
 per request). A candidate that is not empty yet is dropped (a later session end, eviction
-or expiry names it again); one whose log or disk writer is busy is
-kept for the next tick, ``MAX_TRIES`` ticks at most.
+or expiry names it again); one whose log or disk writer is busy is kept for the next tick,
+``MAX_TRIES`` ticks at most.
 """
 
 from __future__ import annotations
